@@ -1,0 +1,56 @@
+"""The backend seam: a Backend makes Sandboxes; a Sandbox is one running sandbox server with a gRPC address.
+
+Lifecycle calls are synchronous (subprocess and docker-py are); the async scoring path wraps them once, in
+:class:`runtime.client.Replica`, with ``asyncio.to_thread``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence, runtime_checkable
+
+from ..spec import RewardSpec, SandboxSettings
+
+
+@runtime_checkable
+class Sandbox(Protocol):
+    """One sandbox server process or container."""
+
+    name: str
+
+    @property
+    def address(self) -> str:
+        """gRPC target, e.g. ``unix:///tmp/rbx-x/grpc.sock``."""
+
+    def start(self) -> None:
+        """Launches the server; returns without waiting for it to be healthy.
+
+        Raises:
+            BackendError: it could not be launched.
+        """
+
+    def alive(self) -> bool:
+        """Whether the process/container is still running."""
+
+    def restart(self) -> None:
+        """Stops (if needed) and launches again at the same address."""
+
+    def stop(self) -> None:
+        """Stops and removes everything it started. Idempotent."""
+
+    def logs(self, tail: int = 40) -> str:
+        """The server's last output lines, for error messages."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+    isolated: bool  # False: reward code runs with the trainer's rights
+
+    def prepare(self, rewards: Sequence[RewardSpec], settings: SandboxSettings) -> None:
+        """Everything before sandboxes start (image builds). Raises ImageBuildError naming the package."""
+
+    def create(self, reward: RewardSpec, replica: int, settings: SandboxSettings) -> Sandbox:
+        """A not-yet-started sandbox for one replica of a reward."""
+
+    def close(self) -> None:
+        """Releases backend resources (sandboxes are stopped by their owner)."""

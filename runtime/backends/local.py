@@ -1,0 +1,113 @@
+"""The ``local`` backend: the sandbox server as a plain subprocess. No isolation: for trusted code and machines
+without Docker. Only the environment variables a reward names in ``secrets`` reach it, as with Docker."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ..errors import BackendError
+from ..spec import RewardSpec, SandboxSettings
+
+log = logging.getLogger("rewardbox")
+
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding sandbox_image/
+_BASE_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "SYSTEMROOT")
+
+
+class LocalSandbox:
+    def __init__(self, name: str, env: dict[str, str]):
+        self.name = name
+        self._env = env
+        self._dir = Path(tempfile.mkdtemp(prefix="rbx-"))  # short: Unix socket paths are limited to 107 bytes
+        self._proc: Optional[subprocess.Popen] = None
+        self._log_path = self._dir / "server.log"
+
+    @property
+    def address(self) -> str:
+        return f"unix://{self._dir / 'grpc.sock'}"
+
+    def start(self) -> None:
+        state_dir = self._dir / "state"
+        state_dir.mkdir(exist_ok=True)
+        env = {**self._env, "PYTHONPATH": _PACKAGE_ROOT, "PYTHONUNBUFFERED": "1",
+               "REWARDBOX_STATE_DIR": str(state_dir)}
+        with open(self._log_path, "ab") as out:
+            try:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", "sandbox_image.server", "--listen", self.address,
+                     "--parent-pid", str(os.getpid())],
+                    env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True,  # Ctrl-C reaches the trainer, which then stops us in order
+                )
+            except OSError as e:
+                raise BackendError(f"sandbox {self.name}: cannot start {sys.executable}: {e}") from e
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def _kill(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=5)
+        # Workers lead process groups of their own (so the server can reap what they fork); end them too.
+        workers = self._dir / "state"
+        for pid_file in workers.glob("*/*") if workers.exists() else ():
+            with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
+                os.killpg(int(pid_file.name), signal.SIGKILL)
+
+    def restart(self) -> None:
+        self._kill()
+        self.start()
+
+    def stop(self) -> None:
+        self._kill()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def logs(self, tail: int = 40) -> str:
+        try:
+            return "\n".join(self._log_path.read_text(errors="replace").splitlines()[-tail:])
+        except OSError:
+            return ""
+
+    def pid(self) -> Optional[int]:
+        return self._proc.pid if self._proc else None
+
+
+class LocalBackend:
+    name = "local"
+    isolated = False
+
+    def prepare(self, rewards: Sequence[RewardSpec], settings: SandboxSettings) -> None:
+        for r in rewards:
+            if r.packages:
+                log.warning("reward %r: local backend does not install packages %s; they must already be "
+                            "importable by %s", r.name, r.packages, sys.executable)
+
+    def create(self, reward: RewardSpec, replica: int, settings: SandboxSettings) -> LocalSandbox:
+        env = {k: os.environ[k] for k in _BASE_ENV if k in os.environ}
+        for secret in reward.secrets:
+            if secret not in os.environ:
+                raise BackendError(f"reward {reward.name!r}: secret {secret!r} is not set in the environment; "
+                                   f"export it or remove it from `secrets`")
+            env[secret] = os.environ[secret]
+        return LocalSandbox(f"{reward.name}-{replica}", env)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,175 @@
+"""The ``rewardbox`` command line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.table import Table
+
+from .errors import RewardboxError
+from .reward import SandboxedReward
+from .samples import samples_from_rows
+from .session import RewardSandboxes
+from .spec import load_config
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Reward sandboxes for GRPO training.")
+console = Console(stderr=True)
+out_console = Console()
+
+STATUS_STYLE = {"ok": "green", "error": "red", "timeout": "yellow", "crash": "magenta", "invalid": "red",
+                "unavailable": "bright_black"}
+ALL_STATUSES = ("ok", "error", "timeout", "crash", "invalid", "unavailable")
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(message)s",
+                        handlers=[RichHandler(console=console, show_path=False, show_time=False)], force=True)
+
+
+def _sigterm_as_interrupt() -> None:
+    """SIGTERM would end Python without running cleanup; make it unwind like Ctrl-C so sandboxes are removed."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    console.print(f"[bold red]error:[/] {message}", highlight=False)
+    return typer.Exit(code)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Rows of a JSONL file. Raises RewardboxError naming the file and line of bad JSON."""
+    rows = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise RewardboxError(f"cannot read samples file {path}: {e.strerror}") from None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise RewardboxError(f"{path}:{lineno}: not valid JSON: {e.msg}") from None
+        if not isinstance(row, dict):
+            raise RewardboxError(f"{path}:{lineno}: expected a JSON object with prompt and completion")
+        rows.append(row)
+    return rows
+
+
+async def _score_all(rewards: list[SandboxedReward], samples: list, batch_size: int) -> dict:
+    async def one(reward: SandboxedReward):
+        reports = []
+        for start in range(0, len(samples), batch_size):
+            reports.append(await reward.client.score(samples[start : start + batch_size]))
+        return reward.name, reports
+
+    return dict(await asyncio.gather(*(one(r) for r in rewards)))
+
+
+def _render(console_: Console, rewards: list[SandboxedReward], rows: list[dict], show: int) -> None:
+    table = Table(title=f"scores ({min(show, len(rows))} of {len(rows)} samples)")
+    table.add_column("#", justify="right")
+    for r in rewards:
+        table.add_column(r.name, justify="right")
+    table.add_column("total", justify="right", style="bold")
+    for row in rows[:show]:
+        cells = [str(row["index"])]
+        for r in rewards:
+            value, status = row["scores"][r.name], row["status"][r.name]
+            text = "None" if value is None else f"{value:.3g}"
+            cells.append(text if status == "ok" else f"[{STATUS_STYLE[status]}]{text} ({status})[/]")
+        cells.append("None" if row["total"] is None else f"{row['total']:.3g}")
+        table.add_row(*cells)
+    console_.print(table)
+
+    summary = Table(title="per-function status")
+    summary.add_column("reward")
+    for s in ALL_STATUSES:
+        summary.add_column(s, justify="right", style=STATUS_STYLE[s])
+    summary.add_column("fallback %", justify="right")
+    for r in rewards:
+        statuses = [row["status"][r.name] for row in rows]
+        counts = [statuses.count(s) for s in ALL_STATUSES]
+        summary.add_row(r.name, *map(str, counts), f"{100 * (len(statuses) - counts[0]) / max(1, len(statuses)):.1f}")
+    console_.print(summary)
+
+
+@app.command()
+def score(
+    config: Path = typer.Argument(..., help="rewardbox YAML config"),
+    samples: Path = typer.Option(..., "--samples", "-s", help="JSONL: prompt, completion (text or messages), columns"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="write one JSON object per sample here"),
+    batch_size: int = typer.Option(64, min=1, help="samples per Score call"),
+    backend: Optional[str] = typer.Option(None, help="override sandbox.backend: auto | docker | local"),
+    show: int = typer.Option(20, help="rows of the table to print"),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+) -> None:
+    """Score samples with every reward of CONFIG and print a table (and write --out)."""
+    _setup_logging(verbose)
+    _sigterm_as_interrupt()
+    try:
+        cfg = load_config(config)
+        if backend:
+            cfg.sandbox.backend = backend
+        rows_in = read_jsonl(samples)
+        try:
+            wire = samples_from_rows(rows_in)
+        except ValueError as e:
+            raise RewardboxError(f"{samples}: {e}") from None
+        with RewardSandboxes(cfg) as sandboxes:
+            reports = asyncio.run(_score_all(sandboxes.rewards, wire, batch_size))
+            rewards = sandboxes.rewards
+    except RewardboxError as e:
+        raise fail(str(e)) from None
+
+    rows = []
+    for i in range(len(wire)):
+        row = {"index": i, "scores": {}, "status": {}, "errors": {}, "total": None}
+        for r in rewards:
+            report = reports[r.name][i // batch_size]
+            j = i % batch_size
+            row["scores"][r.name] = report.values[j]
+            row["status"][r.name] = report.statuses[j]
+            row["errors"][r.name] = report.errors[j]
+        scored = [(r.weight, row["scores"][r.name]) for r in rewards if row["scores"][r.name] is not None]
+        row["total"] = sum(w * v for w, v in scored) if scored else None
+        rows.append(row)
+    for r in rewards:
+        logs = "".join(rep.logs for rep in reports[r.name])
+        if logs.strip() and verbose:
+            console.rule(f"output of {r.name}")
+            console.print(logs, markup=False, highlight=False)
+    _render(out_console, rewards, rows, show)
+    if out:
+        out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        console.print(f"wrote {len(rows)} rows to {out}")
+
+
+@app.command()
+def serve(
+    listen: str = typer.Option("unix:///tmp/rewardbox.sock", help="unix:///path.sock or host:port"),
+) -> None:
+    """Run a sandbox server in this process (what runs inside each container), for debugging with grpcurl."""
+    from sandbox_image.server import main as server_main
+
+    sys.exit(server_main(["--listen", listen]))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""rewardbox's exception types: every failure a user sees is one of these, with a message that names the reward,
+the file or package, and what to do."""
+
+
+class RewardboxError(Exception):
+    """Root of rewardbox's errors."""
+
+
+class ConfigError(RewardboxError):
+    """The config file is unusable: unknown key, bad value, missing reward file."""
+
+
+class RewardLoadError(RewardboxError):
+    """A reward function cannot be loaded: syntax or import error, missing function, wrong signature."""
+
+
+class BackendError(RewardboxError):
+    """A sandbox could not be started, reached or stopped (engine missing, never became healthy)."""
+
+
+class ImageBuildError(RewardboxError):
+    """A sandbox image could not be built: a package that does not exist or has no build for the image."""

@@ -1,0 +1,101 @@
+"""``SandboxedReward``: the TRL-facing reward callable.
+
+``GRPOTrainer(reward_funcs=[SandboxedReward, ...])`` accepts it as is: it is an async callable (TRL awaits async
+rewards concurrently on its event loop) whose ``__name__`` is the reward's name, so ``rewards/<name>/mean`` and the
+completions table work unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Callable, Optional, Sequence
+
+from sandbox_image.pb import reward_pb2 as pb
+
+from .client import RewardClient, ScoreReport
+from .samples import TRL_RESERVED, build_samples
+
+log = logging.getLogger("rewardbox")
+
+STATUSES = ("error", "timeout", "crash", "invalid", "unavailable")
+
+
+def trainer_state_message(state: Any) -> Optional[pb.TrainerState]:
+    """pb.TrainerState from a transformers TrainerState (or a mapping with the same keys)."""
+    if state is None:
+        return None
+    get = state.get if isinstance(state, dict) else lambda k, d=None: getattr(state, k, d)
+    return pb.TrainerState(
+        global_step=int(get("global_step", 0) or 0),
+        max_steps=int(get("max_steps", 0) or 0),
+        epoch=float(get("epoch", 0.0) or 0.0),
+    )
+
+
+class SandboxedReward:
+    """A reward function that runs in a sandbox.
+
+    Call it as TRL does: ``await reward(prompts=..., completions=..., **columns, trainer_state=..., log_metric=...)``.
+    Returns one float (or None, where ``default_score`` is null or the function returned None) per completion, in
+    order. Never raises for reward or sandbox failures; those become fallbacks, counted through ``log_metric`` as
+    ``sandbox/<name>/{fallback,error,timeout,crash,invalid,unavailable}_rate`` and ``sandbox/<name>/latency_s``.
+    """
+
+    def __init__(self, client: RewardClient):
+        self.client = client
+        self.__name__ = client.reward.name
+        self.__qualname__ = self.__name__
+        self.listeners: list[Callable[[ScoreReport, Optional[pb.TrainerState]], None]] = []
+        self.last_report: Optional[ScoreReport] = None
+
+    @property
+    def name(self) -> str:
+        return self.__name__
+
+    @property
+    def weight(self) -> float:
+        return self.client.reward.weight
+
+    def __repr__(self) -> str:
+        return f"SandboxedReward({self.__name__!r}, replicas={len(self.client.replicas)})"
+
+    async def __call__(
+        self,
+        prompts: Sequence[Any],
+        completions: Sequence[Any],
+        trainer_state: Any = None,
+        log_metric: Optional[Callable[[str, float], None]] = None,
+        **kwargs: Any,
+    ) -> list:
+        columns = {k: v for k, v in kwargs.items() if k not in TRL_RESERVED}
+        samples = build_samples(prompts, completions, columns)
+        state = trainer_state_message(trainer_state)
+        report = await self.client.score(samples, state)
+        self.last_report = report
+        self._report(report, state, log_metric)
+        return report.values
+
+    def score_sync(self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list:
+        """Blocking form of ``__call__`` for code that has no event loop."""
+        return asyncio.run(self(prompts, completions, **kwargs))
+
+    def _report(self, report: ScoreReport, state: Optional[pb.TrainerState], log_metric) -> None:
+        n = max(1, len(report.statuses))
+        if log_metric is not None:
+            prefix = f"sandbox/{self.__name__}"
+            log_metric(f"{prefix}/fallback_rate", report.fallbacks / n)
+            for status in STATUSES:
+                log_metric(f"{prefix}/{status}_rate", report.count(status) / n)
+            log_metric(f"{prefix}/latency_s", report.latency_s)
+        if report.fallbacks:
+            first = next((e for e in report.errors if e), "")
+            log.warning("reward %s: %d/%d samples fell back to %r (%s). First error: %s", self.__name__,
+                        report.fallbacks, n, self.client.reward.default_score,
+                        ", ".join(f"{s}={report.count(s)}" for s in STATUSES if report.count(s)),
+                        first.strip().splitlines()[-1] if first else "")
+        for listener in self.listeners:
+            try:
+                listener(report, state)
+            except Exception:  # noqa: BLE001 - a broken log sink must not stop training
+                log.exception("reward %s: a report listener failed", self.__name__)

@@ -1,0 +1,145 @@
+"""The validated config: one YAML file holds the sandbox settings and the rewards (and, for training, the model,
+dataset, GRPO and LoRA sections; see :mod:`trainer.config`)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
+
+from .errors import ConfigError
+
+_NAME = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RewardSpec(_Strict):
+    """One reward function and how to run it."""
+
+    name: str = Field(pattern=_NAME, description="unique; becomes the TRL reward name and metric prefix")
+    source: Path = Field(description="Python file, relative to the config file")
+    function: Optional[str] = Field(default=None, description="attribute to call; default: name")
+    style: Literal["sample", "batch"] = "sample"
+    packages: list[str] = Field(default_factory=list, description="pip requirement strings")
+    timeout_s: PositiveFloat = Field(default=5.0, description="per sample (sample style) or per call (batch)")
+    retries: int = Field(default=3, ge=0, description="retries of transient sandbox failures")
+    default_score: Optional[float] = Field(default=0.0, description="fallback score; null gives None")
+    weight: float = 1.0
+    network: bool = False
+    secrets: list[str] = Field(default_factory=list, description="host environment variables passed to this reward")
+    replicas: PositiveInt = 1
+    workers: PositiveInt = 2
+    concurrency: PositiveInt = Field(default=16, description="async functions: samples in flight per worker")
+    memory: str = Field(default="1g", pattern=r"^\d+(\.\d+)?[bkmgBKMG]?$")
+    cpus: PositiveFloat = 1.0
+    pids: PositiveInt = 256
+    max_log_bytes: PositiveInt = 64 * 1024
+
+    @property
+    def function_name(self) -> str:
+        return self.function or self.name
+
+
+class SandboxSettings(_Strict):
+    """Where and how sandboxes run."""
+
+    backend: Literal["auto", "docker", "local"] = "auto"
+    base_image: str = "python:3.11-slim"
+    runtime: Optional[str] = Field(default=None, description="container runtime, e.g. runsc for gVisor")
+    pip_args: list[str] = Field(default_factory=list, description="extra pip download args (--index-url ...)")
+    cache_dir: Optional[Path] = Field(default=None, description="wheelhouse and build cache; default ~/.cache")
+    start_timeout_s: PositiveFloat = 60.0
+    rpc_grace_s: PositiveFloat = Field(default=10.0, description="added to each Score deadline")
+    backoff_initial_s: PositiveFloat = 0.2
+    backoff_max_s: PositiveFloat = 5.0
+    tmpfs_size: str = "64m"
+
+
+class RewardboxConfig(_Strict):
+    """The whole config file. Sections used only by training are typed in trainer.config and kept as-is here."""
+
+    sandbox: SandboxSettings = Field(default_factory=SandboxSettings)
+    rewards: list[RewardSpec] = Field(min_length=1)
+    model: Optional[dict[str, Any]] = None
+    dataset: Optional[dict[str, Any]] = None
+    grpo: Optional[dict[str, Any]] = None
+    lora: Optional[dict[str, Any]] = None
+    output_dir: Optional[str] = None
+    base_dir: Path = Field(default=Path("."), exclude=True, description="directory sources are relative to")
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "RewardboxConfig":
+        seen: set[str] = set()
+        for r in self.rewards:
+            if r.name in seen:
+                raise ValueError(f"reward name {r.name!r} is used twice; names must be unique")
+            seen.add(r.name)
+        return self
+
+    def source_path(self, reward: RewardSpec) -> Path:
+        return reward.source if reward.source.is_absolute() else (self.base_dir / reward.source).resolve()
+
+
+def _location(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def format_validation_error(err: ValidationError, where: str) -> str:
+    """One line per problem, each naming the key path and the fix."""
+    lines = []
+    for e in err.errors():
+        key = _location(e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{where}: unknown key {key!r}; check its spelling (see README 'Config reference')")
+        elif e["type"] == "missing":
+            lines.append(f"{where}: missing required key {key!r}")
+        else:
+            lines.append(f"{where}: {key}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def parse_config(data: Any, base_dir: Path, where: str = "config") -> RewardboxConfig:
+    """Validates a config mapping and checks every reward's source file exists.
+
+    Raises:
+        ConfigError: naming the key, or the reward and the file that is missing.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping with `sandbox:` and `rewards:`, got {type(data).__name__}")
+    try:
+        config = RewardboxConfig.model_validate({**data, "base_dir": base_dir})
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, where)) from None
+    for r in config.rewards:
+        path = config.source_path(r)
+        if not path.is_file():
+            raise ConfigError(f"{where}: reward {r.name!r}: source file {path} does not exist (rewards[].source is "
+                              f"relative to the config file's directory {base_dir})")
+        if not re.match(r".*\.py$", path.name):
+            raise ConfigError(f"{where}: reward {r.name!r}: source {path} is not a .py file")
+    return config
+
+
+def load_config(path: str | Path) -> RewardboxConfig:
+    """Reads and validates a YAML config file.
+
+    Raises:
+        ConfigError: the file is missing, not YAML, or fails validation.
+    """
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    return parse_config(data, path.resolve().parent, where=str(path))

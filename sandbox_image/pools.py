@@ -1,0 +1,223 @@
+"""One pool of worker processes per loaded reward function, and the scheduling of a batch across it.
+
+Fast path: the batch is cut into one chunk per worker and each chunk runs as one task. When a chunk's worker
+dies (crash) or outlives its hard deadline (a hang the soft timeouts could not interrupt), pebble kills and
+replaces the worker, and the chunk's samples are re-run one per task so that only the guilty sample gets
+``crash`` or ``timeout`` and the others keep their real scores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import multiprocessing
+import os
+import signal
+import tempfile
+import threading
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pebble import ProcessExpired, ProcessPool
+
+from . import worker
+
+log = logging.getLogger("rewardbox.sandbox")
+
+DEFAULT_WORKERS = 2
+DEFAULT_CONCURRENCY = 16
+DEFAULT_MAX_LOG_BYTES = 64 * 1024
+# Slack on top of the user's timeout before a worker is killed from outside (worker start, IPC, import).
+HARD_TIMEOUT_MARGIN_S = 2.0
+
+_MP_CONTEXT = multiprocessing.get_context("forkserver")
+# Workers fork from a clean server process that never ran gRPC threads; preloading keeps the fork cheap.
+_MP_CONTEXT.set_forkserver_preload(["sandbox_image.worker"])
+
+
+@dataclass
+class BatchResult:
+    outcomes: list
+    logs: str = ""
+    dropped: int = 0
+    workers_replaced: int = 0
+    isolated_reruns: int = 0
+
+
+@dataclass
+class FunctionPool:
+    """A loaded function version and the worker processes that serve it."""
+
+    name: str
+    filename: str
+    function: str
+    style: str
+    source_sha256: str
+    workers: int
+    concurrency: int
+    info: dict = field(default_factory=dict)
+    pool: Optional[ProcessPool] = None
+    registry_dir: str = ""
+
+    @classmethod
+    def start(
+        cls,
+        *,
+        name: str,
+        filename: str,
+        source: str,
+        function: str,
+        style: str,
+        workers: int = 0,
+        concurrency: int = 0,
+        max_log_bytes: int = 0,
+    ) -> "FunctionPool":
+        # Worker pids are registered here; the local backend kills their process groups when it stops us.
+        registry_dir = tempfile.mkdtemp(prefix=f"{name[:20]}-", dir=os.environ.get("REWARDBOX_STATE_DIR"))
+        config = {
+            "name": name,
+            "filename": filename,
+            "source": source,
+            "function": function,
+            "style": style,
+            "concurrency": concurrency or DEFAULT_CONCURRENCY,
+            "max_log_bytes": max_log_bytes or DEFAULT_MAX_LOG_BYTES,
+            "registry_dir": registry_dir,
+        }
+        n = workers or DEFAULT_WORKERS
+        pool = ProcessPool(max_workers=n, initializer=worker.init_worker, initargs=(config,), context=_MP_CONTEXT)
+        return cls(
+            name=name,
+            filename=filename,
+            function=function,
+            style=style,
+            source_sha256=hashlib.sha256(source.encode()).hexdigest(),
+            workers=n,
+            concurrency=config["concurrency"],
+            pool=pool,
+            registry_dir=registry_dir,
+        )
+
+    async def describe(self, timeout_s: float = 60.0) -> dict:
+        """Imports the module in a worker and checks the function. Raises worker.LoadError when unusable."""
+        future = self.pool.schedule(worker.describe_task, timeout=timeout_s)
+        try:
+            self.info = await asyncio.wrap_future(future)
+        except FutureTimeout:
+            raise worker.LoadError(f"{self.filename}: importing took longer than {timeout_s:g}s") from None
+        except ProcessExpired as e:
+            raise worker.LoadError(f"{self.filename}: the worker died while importing (exit code {e.exitcode})")
+        return self.info
+
+    async def score(self, items: list, timeout_s: float, state: Optional[dict]) -> BatchResult:
+        """Scores items across the workers; one outcome per item, in order. Never raises for user-code failures."""
+        if not items:
+            return BatchResult([])
+        n_chunks = min(self.workers, len(items))
+        bounds = [round(i * len(items) / n_chunks) for i in range(n_chunks + 1)]
+        chunks = [items[a:b] for a, b in zip(bounds, bounds[1:])]
+        results = await asyncio.gather(*(self._score_chunk(c, timeout_s, state) for c in chunks))
+        merged = BatchResult([])
+        for r in results:
+            merged.outcomes.extend(r.outcomes)
+            merged.logs += r.logs
+            merged.dropped += r.dropped
+            merged.workers_replaced += r.workers_replaced
+            merged.isolated_reruns += r.isolated_reruns
+        return merged
+
+    def _hard_timeout(self, n: int, timeout_s: float) -> float:
+        if self.style == "batch":
+            per_call = 1
+        elif self.info.get("is_async"):
+            per_call = -(-n // max(1, self.concurrency))
+        else:
+            per_call = n
+        return per_call * timeout_s + HARD_TIMEOUT_MARGIN_S
+
+    async def _run(self, items: list, timeout_s: float, state: Optional[dict]):
+        future = self.pool.schedule(
+            worker.score_task, args=(items, timeout_s, state), timeout=self._hard_timeout(len(items), timeout_s)
+        )
+        try:
+            return await asyncio.wrap_future(future), None
+        except FutureTimeout:
+            return None, (None, worker.TIMEOUT, f"exceeded timeout_s={timeout_s:g}; the worker was killed")
+        except ProcessExpired as e:
+            return None, (None, worker.CRASH, f"worker process died (exit code {e.exitcode}, {_signal_name(e)})")
+
+    async def _score_chunk(self, items: list, timeout_s: float, state: Optional[dict]) -> BatchResult:
+        done, failed = await self._run(items, timeout_s, state)
+        if done is not None:
+            return BatchResult(*done)
+        self.reap_orphans()
+        if len(items) == 1:
+            return BatchResult([failed], workers_replaced=1)
+        singles = await asyncio.gather(*(self._run([item], timeout_s, state) for item in items))
+        result = BatchResult([], workers_replaced=1, isolated_reruns=len(items))
+        for single_done, single_failed in singles:
+            if single_done is not None:
+                outcomes, logs, dropped = single_done
+                result.outcomes.extend(outcomes)
+                result.logs += logs
+                result.dropped += dropped
+            else:
+                result.outcomes.append(single_failed)
+                result.workers_replaced += 1
+        self.reap_orphans()
+        return result
+
+    def reap_orphans(self) -> None:
+        """Kills what dead workers left behind (a fork bomb's children would otherwise hold the pids limit)."""
+        try:
+            pids = os.listdir(self.registry_dir)
+        except OSError:
+            return
+        for name in pids:
+            pid = int(name)
+            if _alive(pid):
+                continue
+            # The worker led its own process group; whatever is still in that group is an orphan of ours.
+            for _ in range(20):
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    break
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.registry_dir, name))
+
+    def close(self, wait: bool) -> None:
+        """Stops the workers: after in-flight tasks finish (``wait``) or at once."""
+        pool = self.pool
+        if pool is None:
+            return
+        if wait:
+            pool.close()
+            threading.Thread(target=self._join_and_reap, args=(pool,), daemon=True).start()
+        else:
+            pool.stop()
+            self._join_and_reap(pool)
+
+    def _join_and_reap(self, pool: ProcessPool) -> None:
+        with contextlib.suppress(Exception):
+            pool.join(timeout=30)
+        self.reap_orphans()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _signal_name(e: ProcessExpired) -> str:
+    code = e.exitcode or 0
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return signal.Signals(-code).name
+    return "exited"

@@ -1,0 +1,212 @@
+"""The reward sandbox gRPC server: ``python -m sandbox_image.server --listen unix:///run/rewardbox/grpc.sock``.
+
+The same server runs inside a Docker container (docker backend) and as a plain subprocess (local backend).
+User code never runs in this process: it runs in worker processes (see :mod:`sandbox_image.pools`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import platform
+import signal
+import sys
+import time
+from importlib import metadata
+from typing import Optional
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from . import __version__, worker
+from .pb import reward_pb2 as pb
+from .pb import reward_pb2_grpc as pb_grpc
+from .pools import FunctionPool
+
+log = logging.getLogger("rewardbox.sandbox")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RewardSandbox"].full_name
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+_STYLE_NAMES = {pb.STYLE_SAMPLE: "sample", pb.STYLE_BATCH: "batch"}
+_STATUS = {
+    worker.OK: pb.STATUS_OK,
+    worker.ERROR: pb.STATUS_ERROR,
+    worker.TIMEOUT: pb.STATUS_TIMEOUT,
+    worker.CRASH: pb.STATUS_CRASH,
+    worker.INVALID: pb.STATUS_INVALID,
+}
+
+
+def _info(fp: FunctionPool) -> pb.FunctionInfo:
+    return pb.FunctionInfo(
+        name=fp.name,
+        filename=fp.filename,
+        function=fp.function,
+        style=pb.STYLE_BATCH if fp.style == "batch" else pb.STYLE_SAMPLE,
+        is_async=fp.info.get("is_async", False),
+        signature=fp.info.get("signature", ""),
+        source_sha256=fp.source_sha256,
+        accepted_keywords=fp.info.get("accepted_keywords", []),
+        accepts_var_keywords=fp.info.get("accepts_var_keywords", False),
+    )
+
+
+class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
+    """Holds the loaded functions; all process handling lives in FunctionPool."""
+
+    def __init__(self) -> None:
+        self.functions: dict[str, FunctionPool] = {}
+        self._load_lock = asyncio.Lock()
+
+    async def Load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadResponse:
+        async with self._load_lock:
+            started: list[FunctionPool] = []
+            errors: list[str] = []
+            for fn in request.functions:
+                if fn.style not in _STYLE_NAMES:
+                    errors.append(f"{fn.filename}: reward {fn.name!r} has no style")
+                    continue
+                fp = FunctionPool.start(
+                    name=fn.name,
+                    filename=fn.filename,
+                    source=fn.source,
+                    function=fn.function or fn.name,
+                    style=_STYLE_NAMES[fn.style],
+                    workers=fn.workers,
+                    concurrency=fn.concurrency,
+                    max_log_bytes=fn.max_log_bytes,
+                )
+                started.append(fp)
+            described = await asyncio.gather(*(fp.describe() for fp in started), return_exceptions=True)
+            for fp, outcome in zip(started, described):
+                if isinstance(outcome, BaseException):
+                    errors.append(str(outcome) if isinstance(outcome, worker.LoadError) else repr(outcome))
+            if errors:
+                for fp in started:
+                    fp.close(wait=False)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "\n".join(errors))
+            for fp in started:
+                old = self.functions.get(fp.name)
+                self.functions[fp.name] = fp
+                if old is not None:
+                    old.close(wait=True)
+                log.info("loaded %s from %s (%s)", fp.name, fp.filename, fp.source_sha256[:12])
+            return pb.LoadResponse(functions=[_info(fp) for fp in started])
+
+    async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
+        fp = self.functions.get(request.function)
+        if fp is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"reward {request.function!r} is not loaded here (loaded: {', '.join(self.functions) or 'none'})",
+            )
+        if request.timeout_s <= 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "timeout_s must be positive")
+        started = time.monotonic()
+        items = [
+            (s.prompt, s.completion, dict(s.example), s.prompt_messages_json, s.completion_messages_json)
+            for s in request.samples
+        ]
+        state = None
+        if request.has_trainer_state:
+            ts = request.trainer_state
+            state = {"global_step": ts.global_step, "max_steps": ts.max_steps, "epoch": ts.epoch}
+        result = await fp.score(items, request.timeout_s, state)
+        scores = [
+            pb.Score(value=value, status=_STATUS[status], error=error)
+            if value is not None
+            else pb.Score(status=_STATUS[status], error=error)
+            for value, status, error in result.outcomes
+        ]
+        logs = result.logs
+        if result.dropped:
+            logs += f"\n[rewardbox: {result.dropped} more characters of output dropped]\n"
+        return pb.ScoreResponse(
+            scores=scores,
+            logs=logs,
+            logs_truncated=result.dropped > 0,
+            metrics=pb.Metrics(
+                elapsed_ms=(time.monotonic() - started) * 1000,
+                workers_replaced=result.workers_replaced,
+                isolated_reruns=result.isolated_reruns,
+            ),
+        )
+
+    async def Describe(self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext) -> pb.DescribeResponse:
+        packages = sorted(f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions() if d.metadata["Name"])
+        return pb.DescribeResponse(
+            server_version=__version__,
+            python_version=platform.python_version(),
+            platform=f"{sys.platform}-{platform.machine()}",
+            functions=[_info(fp) for fp in self.functions.values()],
+            packages=packages,
+        )
+
+    def close(self) -> None:
+        for fp in self.functions.values():
+            fp.close(wait=False)
+
+
+async def serve(listen: str, parent_pid: Optional[int] = None, grace_s: float = 2.0) -> None:
+    """Serves until SIGTERM/SIGINT, or until ``parent_pid`` exits (local backend: never outlive the trainer)."""
+    if listen.startswith("unix://"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(listen[len("unix://") :])
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    servicer = RewardSandboxServicer()
+    pb_grpc.add_RewardSandboxServicer_to_server(servicer, server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    server.add_insecure_port(listen)
+    await server.start()
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    log.info("rewardbox sandbox %s serving on %s", __version__, listen)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def watch_parent() -> None:
+        while parent_pid and os.getppid() == parent_pid:
+            await asyncio.sleep(0.5)
+        if parent_pid:
+            log.warning("parent process %d is gone; shutting down", parent_pid)
+            stop.set()
+
+    watcher = asyncio.ensure_future(watch_parent())
+    try:
+        await stop.wait()
+    finally:
+        watcher.cancel()
+        await health.enter_graceful_shutdown()
+        await server.stop(grace_s)
+        servicer.close()
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sandbox_image.server", description=__doc__)
+    parser.add_argument("--listen", required=True, help="unix:///path/to.sock or host:port")
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is no longer our parent")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s sandbox %(levelname)s %(message)s")
+    asyncio.run(serve(args.listen, args.parent_pid))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,349 @@
+"""Code that runs inside a worker process of the sandbox: loads one reward module and calls it.
+
+A worker holds exactly one function version (set by :func:`init_worker`, the pool's initializer) and imports its
+module once, on first use. Each task scores a *chunk* of samples in one go: soft per-sample timeouts come from
+``SIGALRM`` (sync code) or ``asyncio.wait`` (async code); anything that escapes them (a crash, a hang in C code)
+is handled by the server, which kills the worker and re-runs the chunk one sample per task.
+
+Only the standard library is imported here: this module is preloaded into the fork server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import io
+import json
+import linecache
+import math
+import numbers
+import os
+import signal
+import sys
+import traceback
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+OK, ERROR, TIMEOUT, CRASH, INVALID = "ok", "error", "timeout", "crash", "invalid"
+# Optional keywords a reward function may declare to receive.
+OPTIONAL_KEYWORDS = ("trainer_state", "prompt_messages", "completion_messages")
+
+# (prompt, completion, example, prompt_messages_json, completion_messages_json)
+Item = tuple
+# (value or None, status, error text)
+Outcome = tuple
+
+
+class LoadError(Exception):
+    """A reward module or function cannot be used; the message names the file, line and fix."""
+
+
+class _SampleTimeout(BaseException):
+    """Raised by SIGALRM inside the user's code; a BaseException so that ``except Exception`` cannot eat it."""
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What a reward sees of training progress, by attribute (``state.global_step``) or key (``state["epoch"]``)."""
+
+    global_step: int = 0
+    max_steps: int = 0
+    epoch: float = 0.0
+
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self, key)
+
+
+@dataclass(frozen=True)
+class _Config:
+    name: str
+    filename: str
+    source: str
+    function: str
+    style: str  # "sample" | "batch"
+    concurrency: int
+    max_log_bytes: int
+    registry_dir: str
+
+
+_CONFIG: Optional[_Config] = None
+_LOADED: Optional[tuple] = None  # (fn, is_async, accepted keywords, accepts **kwargs)
+
+
+def init_worker(config: dict) -> None:
+    """Pool initializer: remembers the function to serve. Cannot fail; loading happens on first use."""
+    global _CONFIG
+    _CONFIG = _Config(**config)
+    # A process group of our own lets the server kill whatever this worker forked once the worker is gone.
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    if _CONFIG.registry_dir:
+        with contextlib.suppress(OSError):
+            open(os.path.join(_CONFIG.registry_dir, str(os.getpid())), "w").close()
+    signal.signal(signal.SIGALRM, _on_alarm)
+
+
+def _on_alarm(signum, frame):
+    raise _SampleTimeout()
+
+
+def _user_line(exc: BaseException, filename: str) -> str:
+    """The innermost line of the user's file in exc's traceback, as ``file:line``."""
+    line = getattr(exc, "lineno", None) if isinstance(exc, SyntaxError) else None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if frame.filename == filename:
+            line = frame.lineno
+    return f"{filename}:{line}" if line else filename
+
+
+def load_module(config: _Config) -> types.ModuleType:
+    """Imports the reward's source text as a module.
+
+    Raises:
+        LoadError: syntax error, or an exception while importing; the message names file and line.
+    """
+    modname = f"rewardbox_user_{config.name}"
+    # Registering the source lets tracebacks show the user's lines although no file exists in the sandbox.
+    linecache.cache[config.filename] = (len(config.source), None, config.source.splitlines(True), config.filename)
+    module = types.ModuleType(modname)
+    module.__file__ = config.filename
+    sys.modules[modname] = module
+    try:
+        code = compile(config.source, config.filename, "exec")
+        exec(code, module.__dict__)
+    except SyntaxError as e:
+        raise LoadError(f"{config.filename}:{e.lineno}: SyntaxError: {e.msg}") from None
+    except ModuleNotFoundError as e:
+        raise LoadError(
+            f"{_user_line(e, config.filename)}: ModuleNotFoundError: No module named {e.name!r}. "
+            f"Add the package that provides it to `packages` of reward {config.name!r}."
+        ) from None
+    except BaseException as e:
+        raise LoadError(f"{_user_line(e, config.filename)}: {type(e).__name__} while importing: {e}") from None
+    return module
+
+
+def _is_async(fn: Callable) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def resolve_function(config: _Config, module: types.ModuleType) -> tuple:
+    """Finds the function and checks its signature against its style.
+
+    Returns:
+        (fn, is_async, accepted optional keywords, accepts **kwargs, signature text)
+    Raises:
+        LoadError: missing attribute, not callable, or a signature that does not fit the style.
+    """
+    fn = getattr(module, config.function, None)
+    if fn is None:
+        defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise LoadError(
+            f"{config.filename}: no function {config.function!r} (reward {config.name!r}). "
+            f"Callables defined there: {', '.join(defined) or 'none'}; set `function:` to one of them."
+        )
+    if not callable(fn):
+        raise LoadError(f"{config.filename}: {config.function!r} is a {type(fn).__name__}, not a function")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError) as e:
+        raise LoadError(f"{config.filename}: cannot read the signature of {config.function!r}: {e}") from None
+    params = sig.parameters.values()
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    line = getattr(getattr(fn, "__code__", None), "co_firstlineno", None)
+    where = f"{config.filename}:{line}" if line else config.filename
+    if config.style == "sample":
+        try:
+            sig.bind(None, None, None)
+        except TypeError as e:
+            raise LoadError(
+                f"{where}: {config.function}{sig} does not fit style 'sample' ({e}). Sample-style rewards are "
+                "called as fn(prompt, completion, example, **kw); for TRL's fn(prompts, completions, **kwargs) "
+                "set `style: batch`."
+            ) from None
+    else:
+        if "completions" not in named and not var_kw:
+            raise LoadError(
+                f"{where}: {config.function}{sig} does not fit style 'batch': it must accept `completions` "
+                "(and usually `prompts` and **kwargs). For fn(prompt, completion, example) set `style: sample`."
+            )
+    accepted = [k for k in OPTIONAL_KEYWORDS if k in named or var_kw]
+    return fn, _is_async(fn), accepted, var_kw, f"{config.function}{sig}"
+
+
+def _loaded() -> tuple:
+    global _LOADED
+    if _LOADED is None:
+        assert _CONFIG is not None, "init_worker was not called"
+        _LOADED = resolve_function(_CONFIG, load_module(_CONFIG))[:4]
+    return _LOADED
+
+
+def describe_task() -> dict:
+    """Loads the function in this worker and describes it. Raises LoadError when it cannot be used."""
+    assert _CONFIG is not None
+    fn, is_async, accepted, var_kw, signature = resolve_function(_CONFIG, load_module(_CONFIG))
+    global _LOADED
+    _LOADED = (fn, is_async, accepted, var_kw)
+    return {"is_async": is_async, "accepted_keywords": accepted, "accepts_var_keywords": var_kw, "signature": signature}
+
+
+class _BoundedWriter(io.TextIOBase):
+    """A text sink that keeps the first ``limit`` characters and counts the rest."""
+
+    def __init__(self, limit: int):
+        self.limit, self.parts, self.size, self.dropped = limit, [], 0, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        room = self.limit - self.size
+        if room > 0:
+            self.parts.append(s[:room])
+            self.size += min(room, len(s))
+        self.dropped += max(0, len(s) - max(room, 0))
+        return len(s)
+
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def _check(value: Any) -> Outcome:
+    if value is None:
+        return None, OK, ""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        f = float(value)
+        if math.isfinite(f):
+            return f, OK, ""
+        return None, INVALID, f"returned {f}; expected a finite float or None"
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return None, INVALID, f"returned {type(value).__name__} {shown}; expected a finite float or None"
+
+
+def _error(exc: BaseException) -> Outcome:
+    if isinstance(exc, SystemExit):
+        return None, ERROR, f"SystemExit({exc.code!r}) raised by the reward function"
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return None, ERROR, text[-4000:]
+
+
+def _messages(text: str) -> Any:
+    return json.loads(text) if text else None
+
+
+def _sample_call(item: Item, state: Optional[TrainerState]):
+    fn, _, accepted, _ = _loaded()
+    prompt, completion, example, pm, cm = item
+    kw = {}
+    if "trainer_state" in accepted:
+        kw["trainer_state"] = state
+    if "prompt_messages" in accepted:
+        kw["prompt_messages"] = _messages(pm)
+    if "completion_messages" in accepted:
+        kw["completion_messages"] = _messages(cm)
+    return fn(prompt, completion, dict(example), **kw)
+
+
+def _batch_kwargs(items: list, state: Optional[TrainerState]) -> dict:
+    fn, _, accepted, var_kw = _loaded()
+    kw: dict = {
+        "prompts": [_messages(pm) if pm else p for p, _, _, pm, _ in items],
+        "completions": [_messages(cm) if cm else c for _, c, _, _, cm in items],
+    }
+    for column in items[0][2] if items else ():
+        kw[column] = [example.get(column, "") for _, _, example, _, _ in items]
+    if "trainer_state" in accepted:
+        kw["trainer_state"] = state
+    if not var_kw:
+        params = inspect.signature(fn).parameters
+        kw = {k: v for k, v in kw.items() if k in params}
+    return kw
+
+
+def _batch_outcomes(result: Any, n: int) -> list:
+    if not isinstance(result, (list, tuple)) and not hasattr(result, "tolist"):
+        return [(None, INVALID, f"batch reward returned {type(result).__name__}; expected a list of {n} floats")] * n
+    values = list(result.tolist() if hasattr(result, "tolist") else result)
+    if len(values) != n:
+        return [(None, INVALID, f"batch reward returned {len(values)} values for {n} samples")] * n
+    return [_check(v) for v in values]
+
+
+def _run_sync(items: list, timeout_s: float, state: Optional[TrainerState], style: str) -> list:
+    def timed(call: Callable[[], Any]) -> tuple:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, timeout_s)
+            try:
+                return call(), None
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except _SampleTimeout:
+            return None, (None, TIMEOUT, f"exceeded timeout_s={timeout_s:g}")
+        except BaseException as e:  # noqa: BLE001 - user code may raise anything, SystemExit included
+            return None, _error(e)
+
+    if style == "batch":
+        value, failed = timed(lambda: _loaded()[0](**_batch_kwargs(items, state)))
+        return [failed] * len(items) if failed else _batch_outcomes(value, len(items))
+    outcomes = []
+    for item in items:
+        value, failed = timed(lambda: _sample_call(item, state))
+        outcomes.append(failed or _check(value))
+    return outcomes
+
+
+async def _await_bounded(coro, timeout_s: float) -> tuple:
+    task = asyncio.ensure_future(coro)
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        task.cancel()
+        return None, (None, TIMEOUT, f"exceeded timeout_s={timeout_s:g}")
+    try:
+        return task.result(), None
+    except BaseException as e:  # noqa: BLE001
+        return None, _error(e)
+
+
+async def _run_async(items: list, timeout_s: float, state: Optional[TrainerState], style: str, limit: int) -> list:
+    if style == "batch":
+        value, failed = await _await_bounded(_loaded()[0](**_batch_kwargs(items, state)), timeout_s)
+        return [failed] * len(items) if failed else _batch_outcomes(value, len(items))
+    gate = asyncio.Semaphore(limit)
+
+    async def one(item: Item) -> Outcome:
+        async with gate:
+            try:
+                coro = _sample_call(item, state)
+            except BaseException as e:  # noqa: BLE001
+                return _error(e)
+            value, failed = await _await_bounded(coro, timeout_s)
+            return failed or _check(value)
+
+    return list(await asyncio.gather(*(one(item) for item in items)))
+
+
+def score_task(items: list, timeout_s: float, state: Optional[dict]) -> tuple:
+    """Scores a chunk of samples in this worker.
+
+    Returns:
+        (outcomes, logs, dropped): one (value, status, error) per item, what the calls printed (bounded), and how
+        many characters of output were dropped.
+    """
+    assert _CONFIG is not None
+    trainer_state = TrainerState(**state) if state is not None else None
+    sink = _BoundedWriter(_CONFIG.max_log_bytes)
+    try:
+        _, is_async, _, _ = _loaded()
+    except LoadError as e:  # the file changed under a hot reload that validated elsewhere: report, do not die
+        return [(None, ERROR, str(e))] * len(items), "", 0
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        if is_async:
+            outcomes = asyncio.run(_run_async(items, timeout_s, trainer_state, _CONFIG.style, _CONFIG.concurrency))
+        else:
+            outcomes = _run_sync(items, timeout_s, trainer_state, _CONFIG.style)
+    return outcomes, sink.text(), sink.dropped
