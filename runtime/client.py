@@ -12,6 +12,7 @@ and jitter, moving to the next replica on each attempt. Samples that never score
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import threading
@@ -246,6 +247,7 @@ class RewardClient:
         self.replicas = list(replicas)
         self.settings = settings
         self._sleep = sleep
+        self._rotation = itertools.count()
 
     def deadline_s(self, n: int) -> float:
         """Per-attempt deadline for n samples on one replica: the worst case the server allows, plus grace."""
@@ -265,10 +267,14 @@ class RewardClient:
         """
         started = time.monotonic()
         n = len(samples)
-        k = min(len(self.replicas), n) or 1
+        # Sample-style batches are split across replicas; a batch-style call goes whole to the next replica.
+        k = 1 if self.reward.style == "batch" else (min(len(self.replicas), n) or 1)
         bounds = [round(i * n / k) for i in range(k + 1)]
         shares = [_Pending(list(samples[a:b]), list(range(a, b))) for a, b in zip(bounds, bounds[1:])]
-        await asyncio.gather(*(self._score_share(i, share, trainer_state) for i, share in enumerate(shares)))
+        first = next(self._rotation)
+        await asyncio.gather(
+            *(self._score_share(first + i, share, trainer_state) for i, share in enumerate(shares))
+        )
 
         values, statuses, errors = [None] * n, ["unavailable"] * n, [None] * n
         logs, attempts, replaced = [], 0, 0

@@ -116,7 +116,8 @@ class FunctionPool:
         """Scores items across the workers; one outcome per item, in order. Never raises for user-code failures."""
         if not items:
             return BatchResult([])
-        n_chunks = min(self.workers, len(items))
+        # A batch-style function sees exactly the batch it was given (TRL rewards may compare within it).
+        n_chunks = 1 if self.style == "batch" else min(self.workers, len(items))
         bounds = [round(i * len(items) / n_chunks) for i in range(n_chunks + 1)]
         chunks = [items[a:b] for a, b in zip(bounds, bounds[1:])]
         results = await asyncio.gather(*(self._score_chunk(c, timeout_s, state) for c in chunks))

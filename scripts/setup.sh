@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Everything a fresh Debian/Ubuntu machine needs for rewardbox: the Docker engine (started if not running),
+# debootstrap for the offline base image, and the Python package with its train and dev extras.
+# Idempotent: each step is skipped when already done. Fails loudly when a step cannot be done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+need_apt=()
+command -v dockerd >/dev/null 2>&1 || need_apt+=(docker.io)
+command -v debootstrap >/dev/null 2>&1 || need_apt+=(debootstrap)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  log "installing ${need_apt[*]} from Debian packages"
+  as_root apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+if ! docker info >/dev/null 2>&1; then
+  log "starting the Docker engine"
+  as_root sh -c 'nohup dockerd >/var/log/rewardbox-dockerd.log 2>&1 &'
+  for _ in $(seq 1 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+  if ! docker info >/dev/null 2>&1; then
+    echo "setup: the Docker engine did not start; see /var/log/rewardbox-dockerd.log" >&2
+    exit 1
+  fi
+fi
+
+PY=${PYTHON:-python3}
+# torch==2.13.0 is the CPU build here; installing it first keeps the train extra from pulling CUDA wheels.
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  log "installing torch==2.13.0"
+  "$PY" -m pip install -q torch==2.13.0
+fi
+log "installing rewardbox[train,dev]"
+"$PY" -m pip install -q -e ".[train,dev]"
+log "done"

@@ -1,0 +1,82 @@
+"""Shared fixtures: reward files written into tmp_path, configs around them, and real sandboxes."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import yaml
+
+from runtime import RewardSandboxes, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def write_config(tmp_path: Path) -> Callable[..., Path]:
+    """write_config(rewards=[{name, code, ...spec}], sandbox={...}) -> path of a YAML config in tmp_path.
+
+    Each reward's ``code`` is dedented and written to ``rewards/<name>.py`` (or ``file``, if given).
+    """
+
+    def write(rewards: list[dict], sandbox: dict | None = None, extra: dict | None = None) -> Path:
+        (tmp_path / "rewards").mkdir(exist_ok=True)
+        entries = []
+        for r in rewards:
+            r = dict(r)
+            code = r.pop("code", None)
+            filename = r.pop("file", f"{r['name']}.py")
+            if code is not None:
+                (tmp_path / "rewards" / filename).write_text(textwrap.dedent(code))
+            entries.append({"source": f"rewards/{filename}", **r})
+        data = {"sandbox": {"backend": "local", **(sandbox or {})}, "rewards": entries, **(extra or {})}
+        path = tmp_path / "rewardbox.yaml"
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        return path
+
+    return write
+
+
+async def no_sleep(seconds: float) -> None:
+    """Tenacity's sleep in tests: record, do not wait."""
+    no_sleep.calls.append(seconds)
+
+
+no_sleep.calls = []
+
+
+@pytest.fixture
+def sandboxes(write_config):
+    """sandboxes(rewards, sandbox=...) -> started RewardSandboxes (local backend), stopped after the test."""
+    started = []
+
+    def start(rewards: list[dict], sandbox: dict | None = None) -> RewardSandboxes:
+        no_sleep.calls = []
+        s = RewardSandboxes(load_config(write_config(rewards, sandbox)), sleep=no_sleep)
+        s.start()
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+def run(coro):
+    import asyncio
+
+    return asyncio.run(coro)
+
+
+def pids_alive(pids) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive

@@ -1,0 +1,69 @@
+"""Config errors are found before anything starts, with messages that name the problem."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from runtime import ConfigError, RewardLoadError, RewardSandboxes, load_config
+
+OK = "def ok(prompt, completion, example):\n    return 1.0\n"
+
+
+def test_unknown_key_is_named(write_config):
+    path = write_config([{"name": "ok", "code": OK, "timout_s": 3}])
+    with pytest.raises(ConfigError, match=r"unknown key 'rewards\[0\]\.timout_s'"):
+        load_config(path)
+
+
+def test_bad_value_is_named(write_config):
+    path = write_config([{"name": "ok", "code": OK, "timeout_s": -1}])
+    with pytest.raises(ConfigError, match=r"rewards\[0\]\.timeout_s: Input should be greater than 0"):
+        load_config(path)
+
+
+def test_missing_source_file_is_named(write_config):
+    path = write_config([{"name": "ghost", "file": "ghost.py"}])
+    with pytest.raises(ConfigError, match=r"reward 'ghost': source file .*ghost\.py does not exist"):
+        load_config(path)
+
+
+def test_duplicate_names_are_rejected(write_config):
+    path = write_config([{"name": "ok", "code": OK}, {"name": "ok", "file": "ok.py"}])
+    with pytest.raises(ConfigError, match="used twice"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    "code, style, message",
+    [
+        ("def ok(prompt, completion, example):\n    return 1.0 +\n", "sample", r"ok\.py:2: SyntaxError"),
+        ("import not_a_real_package_xyz\n", "sample",
+         r"ok\.py:1: ModuleNotFoundError: No module named 'not_a_real_package_xyz'\. Add the package"),
+        ("def other(prompt, completion, example):\n    return 1.0\n", "sample",
+         r"no function 'ok'.*Callables defined there: other"),
+        ("def ok(completions, **kwargs):\n    return [1.0]\n", "sample", r"ok\.py:1: .*does not fit style 'sample'"),
+        ("def ok(prompt, completion, example):\n    return 1.0\n", "batch", r"does not fit style 'batch'"),
+        ("raise RuntimeError('boom at import')\n", "sample", r"ok\.py:1: RuntimeError while importing: boom"),
+    ],
+)
+def test_unusable_reward_code_fails_at_start_naming_file_and_line(write_config, code, style, message):
+    config = load_config(write_config([{"name": "ok", "code": code, "style": style}]))
+    sandboxes = RewardSandboxes(config)
+    with pytest.raises(RewardLoadError, match=message):
+        sandboxes.start()
+    assert sandboxes.replicas == {}  # nothing left running
+
+
+def test_cli_score_exits_nonzero_on_a_broken_reward_before_scoring(write_config, tmp_path):
+    path = write_config([{"name": "ok", "code": "def ok(prompt, completion, example):\n    return (\n"}])
+    samples = tmp_path / "s.jsonl"
+    samples.write_text('{"prompt": "p", "completion": "c"}\n')
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "runtime.cli", "score", str(path), "--samples", str(samples),
+                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "SyntaxError" in proc.stderr and "ok.py:2" in proc.stderr
+    assert not out.exists()

@@ -1,0 +1,199 @@
+"""The sandbox server over real gRPC (local backend): styles, async, validation and every failure row."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from runtime import build_samples
+from sandbox_image.pb import reward_pb2 as pb
+from tests.conftest import run
+
+BEHAVIOURS = """
+import ctypes, math, os, signal, sys, time
+
+def behave(prompt, completion, example):
+    if completion == "raise":
+        raise ValueError("bad completion")
+    if completion == "exit":
+        sys.exit(3)
+    if completion == "os_exit":
+        os._exit(7)
+    if completion == "segfault":
+        ctypes.string_at(0)
+    if completion == "hang":
+        while True:
+            pass
+    if completion == "hang_uninterruptible":
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        while True:
+            pass
+    if completion == "nan":
+        return math.nan
+    if completion == "inf":
+        return math.inf
+    if completion == "string":
+        return "1.0"
+    if completion == "print_mb":
+        for _ in range(5000):
+            print("x" * 1000)
+        return 2.0
+    if completion == "none":
+        return None
+    return float(len(completion))
+"""
+
+EXPECTED = {
+    "raise": "error",
+    "exit": "error",
+    "os_exit": "crash",
+    "segfault": "crash",
+    "hang": "timeout",
+    "hang_uninterruptible": "timeout",
+    "nan": "invalid",
+    "inf": "invalid",
+    "string": "invalid",
+}
+
+
+def score(sandboxes, name, completions, prompts=None, columns=None, state=None):
+    prompts = prompts or ["p"] * len(completions)
+    return run(sandboxes[name].client.score(build_samples(prompts, completions, columns or {}), state))
+
+
+def test_each_failure_gets_its_status_and_fallback_while_other_samples_keep_real_scores(sandboxes):
+    s = sandboxes([{"name": "behave", "code": BEHAVIOURS, "timeout_s": 1.0, "default_score": -1.0, "workers": 2}])
+    completions = ["ab", *EXPECTED, "abcd", "print_mb", "none"]
+    report = score(s, "behave", completions)
+    by_completion = dict(zip(completions, zip(report.values, report.statuses, report.errors)))
+    for completion, status in EXPECTED.items():
+        value, got, error = by_completion[completion]
+        assert got == status, (completion, got, error)
+        assert value == -1.0
+        assert error
+    assert by_completion["ab"][:2] == (2.0, "ok")
+    assert by_completion["abcd"][:2] == (4.0, "ok")
+    assert by_completion["print_mb"][:2] == (2.0, "ok")
+    assert by_completion["none"][:2] == (None, "ok")
+    assert "ValueError: bad completion" in by_completion["raise"][2]
+    assert "SystemExit(3)" in by_completion["exit"][2]
+    assert "SIGSEGV" in by_completion["segfault"][2]
+    assert report.workers_replaced >= 4
+    # output is captured and bounded (64 KiB default), not megabytes
+    assert "xxxx" in report.logs and len(report.logs) < 70_000
+    # the sandbox survived all of it
+    assert score(s, "behave", ["abc"]).values == [3.0]
+
+
+def test_timeout_is_per_sample_not_per_batch(sandboxes):
+    s = sandboxes([{"name": "behave", "code": BEHAVIOURS, "timeout_s": 0.5, "workers": 2}])
+    started = time.monotonic()
+    report = score(s, "behave", ["hang", "a", "bb", "ccc", "hang", "dddd"])
+    assert report.statuses == ["timeout", "ok", "ok", "ok", "timeout", "ok"]
+    assert report.values == [0.0, 1.0, 2.0, 3.0, 0.0, 4.0]
+    assert time.monotonic() - started < 5
+
+
+def test_batch_style_gets_lists_and_string_columns(sandboxes):
+    code = """
+    def lengths(prompts, completions, answer, **kwargs):
+        assert all(isinstance(a, str) for a in answer)
+        return [len(c) + float(a) for c, a in zip(completions, answer)]
+
+    def wrong_length(prompts, completions, **kwargs):
+        return [1.0]
+    """
+    s = sandboxes([
+        {"name": "lengths", "code": code, "style": "batch"},
+        {"name": "wrong_length", "file": "lengths.py", "style": "batch", "default_score": None},
+    ])
+    report = score(s, "lengths", ["a", "bbb"], columns={"answer": [10, 0.5]})
+    assert report.values == [11.0, 3.5] and report.statuses == ["ok", "ok"]
+    bad = score(s, "wrong_length", ["a", "bb", "ccc"])
+    assert bad.statuses == ["invalid"] * 3 and bad.values == [None] * 3
+    assert "returned 1 values for" in bad.errors[0]
+
+
+def test_string_typed_example_recovers_a_list_column_with_literal_eval(sandboxes):
+    code = """
+    import ast
+    def total(prompt, completion, example):
+        assert isinstance(example["numbers"], str) and isinstance(example["weight"], str)
+        return sum(ast.literal_eval(example["numbers"])) * float(example["weight"]) + len(example["name"])
+    """
+    s = sandboxes([{"name": "total", "code": code}])
+    report = score(s, "total", ["x", "y"], columns={"numbers": [[1, 2, 3], [10]], "weight": [0.5, 2], "name": ["ab", "c"]})
+    assert report.statuses == ["ok", "ok"]
+    assert report.values == [5.0, 21.0]
+
+
+def test_async_functions_run_concurrently_with_per_sample_timeouts(sandboxes):
+    code = """
+    import asyncio
+    async def judge(prompt, completion, example):
+        await asyncio.sleep(10 if completion == "slow" else 0.3)
+        return 1.0
+    """
+    s = sandboxes([{"name": "judge", "code": code, "workers": 1, "concurrency": 16, "timeout_s": 1.5}])
+    started = time.monotonic()
+    report = score(s, "judge", ["a"] * 12 + ["slow"])
+    elapsed = time.monotonic() - started
+    assert report.statuses == ["ok"] * 12 + ["timeout"]
+    # 12 x 0.3 s one after another would take 3.6 s; concurrently it is one timeout's worth
+    assert elapsed < 3.0
+
+
+def test_trainer_state_reaches_functions_that_accept_it(sandboxes):
+    code = """
+    def curriculum(prompt, completion, example, trainer_state=None):
+        if trainer_state is None:
+            return -1.0
+        return trainer_state.global_step / trainer_state["max_steps"] + trainer_state.epoch
+
+    def batch_curriculum(prompts, completions, trainer_state, **kwargs):
+        return [float(trainer_state.global_step)] * len(completions)
+    """
+    s = sandboxes([{"name": "curriculum", "code": code},
+                   {"name": "batch_curriculum", "file": "curriculum.py", "style": "batch"}])
+    state = pb.TrainerState(global_step=5, max_steps=10, epoch=1.0)
+    assert score(s, "curriculum", ["a"], state=state).values == [1.5]
+    assert score(s, "curriculum", ["a"]).values == [-1.0]
+    assert score(s, "batch_curriculum", ["a", "b"], state=state).values == [5.0, 5.0]
+
+
+def test_conversational_samples_give_text_and_the_message_lists(sandboxes):
+    code = """
+    def chat(prompt, completion, example, prompt_messages=None, completion_messages=None):
+        assert prompt == "What is 2+2?" and completion == "4"
+        assert prompt_messages[0]["role"] == "system" and completion_messages[0]["role"] == "assistant"
+        return float(len(prompt_messages))
+
+    def chat_batch(prompts, completions, **kwargs):
+        return [float(c[0]["content"]) for c in completions]
+    """
+    s = sandboxes([{"name": "chat", "code": code}, {"name": "chat_batch", "file": "chat.py", "style": "batch"}])
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    completion = [{"role": "assistant", "content": "4"}]
+    assert score(s, "chat", [completion], prompts=[prompt]).values == [2.0]
+    assert score(s, "chat_batch", [completion], prompts=[prompt]).values == [4.0]
+
+
+def test_health_reflection_and_describe_are_served(sandboxes):
+    s = sandboxes([{"name": "behave", "code": BEHAVIOURS}])
+    replica = s.replicas["behave"][0]
+    channel = grpc.insecure_channel(replica.sandbox.address)
+    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+    services = {s.name for r in responses for s in r.list_services_response.service}
+    assert {"rewardbox.v1.RewardSandbox", "grpc.health.v1.Health"} <= services
+    described = replica.describe()
+    assert [f.name for f in described.functions] == ["behave"]
+    assert described.functions[0].signature == "behave(prompt, completion, example)"
+    assert any(p.lower().startswith("pebble==") for p in described.packages)

@@ -1,0 +1,10 @@
+from sandbox_image import protogen
+
+
+def test_committed_stubs_match_the_proto_file():
+    generated = protogen.generate()
+    for name, text in generated.items():
+        committed = (protogen.OUT_DIR / name).read_text()
+        assert committed == text, (
+            f"sandbox_image/pb/{name} is stale: run `python -m sandbox_image.protogen` and commit the result"
+        )

@@ -1,0 +1,8 @@
+import pytest
+
+from trainer.tiny import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
