@@ -157,6 +157,64 @@ def score(
         console.print(f"wrote {len(rows)} rows to {out}")
 
 
+def _progress_printer():
+    def show(line: str) -> None:
+        console.print(line, style="dim", highlight=False, markup=False)
+
+    return show
+
+
+@app.command()
+def build(
+    config: Path = typer.Argument(..., help="rewardbox YAML config"),
+    force: bool = typer.Option(False, help="rebuild even when the image exists"),
+) -> None:
+    """Build the sandbox images a config needs (one per distinct package set); cached by content hash."""
+    _setup_logging(False)
+    from .backends.docker import engine_client
+    from .image import ImageBuilder
+
+    try:
+        cfg = load_config(config)
+        builder = ImageBuilder(engine_client(), cfg.sandbox.cache_dir, on_output=_progress_printer())
+        groups: dict[tuple, list[str]] = {}
+        for r in cfg.rewards:
+            groups.setdefault(tuple(sorted(r.packages)), []).append(r.name)
+        for packages, owners in groups.items():
+            tag = builder.ensure(cfg.sandbox.base_image, packages, cfg.sandbox.pip_args, owners, force=force)
+            out_console.print(f"{tag}  rewards: {', '.join(owners)}  packages: {', '.join(packages) or '-'}")
+    except RewardboxError as e:
+        raise fail(str(e)) from None
+
+
+@app.command("base-image")
+def base_image(
+    tag: str = typer.Option("rewardbox/base:bookworm", help="tag of the image to create"),
+    suite: str = typer.Option("bookworm", help="Debian suite"),
+    mirror: str = typer.Option("http://deb.debian.org/debian", help="Debian mirror"),
+    force: bool = typer.Option(False, help="rebuild even when the tag exists"),
+) -> None:
+    """Build a minimal Debian image with python3 from Debian packages alone (for hosts without a registry)."""
+    _setup_logging(False)
+    import docker.errors
+
+    from .backends.docker import engine_client
+    from .image import build_offline_base
+
+    try:
+        client = engine_client()
+        try:
+            client.images.get(tag)
+            exists = True
+        except docker.errors.ImageNotFound:
+            exists = False
+        if force or not exists:
+            build_offline_base(client, tag=tag, suite=suite, mirror=mirror, on_output=_progress_printer())
+        out_console.print(tag)
+    except RewardboxError as e:
+        raise fail(str(e)) from None
+
+
 @app.command()
 def serve(
     listen: str = typer.Option("unix:///tmp/rewardbox.sock", help="unix:///path.sock or host:port"),

@@ -8,7 +8,17 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
+from packaging.requirements import InvalidRequirement, Requirement
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from .errors import ConfigError
 
@@ -33,6 +43,7 @@ class RewardSpec(_Strict):
     weight: float = 1.0
     network: bool = False
     secrets: list[str] = Field(default_factory=list, description="host environment variables passed to this reward")
+    env: dict[str, str] = Field(default_factory=dict, description="plain environment variables for this reward")
     replicas: PositiveInt = 1
     workers: PositiveInt = 2
     concurrency: PositiveInt = Field(default=16, description="async functions: samples in flight per worker")
@@ -40,6 +51,16 @@ class RewardSpec(_Strict):
     cpus: PositiveFloat = 1.0
     pids: PositiveInt = 256
     max_log_bytes: PositiveInt = 64 * 1024
+
+    @field_validator("packages")
+    @classmethod
+    def _requirements_parse(cls, packages: list[str]) -> list[str]:
+        for p in packages:
+            try:
+                Requirement(p)
+            except InvalidRequirement as e:
+                raise ValueError(f"package {p!r} is not a valid pip requirement: {e}") from None
+        return packages
 
     @property
     def function_name(self) -> str:
@@ -59,6 +80,7 @@ class SandboxSettings(_Strict):
     backoff_initial_s: PositiveFloat = 0.2
     backoff_max_s: PositiveFloat = 5.0
     tmpfs_size: str = "64m"
+    network_mode: str = Field(default="bridge", description="docker network for rewards with network: true")
 
 
 class RewardboxConfig(_Strict):

@@ -341,9 +341,41 @@ def score_task(items: list, timeout_s: float, state: Optional[dict]) -> tuple:
         _, is_async, _, _ = _loaded()
     except LoadError as e:  # the file changed under a hot reload that validated elsewhere: report, do not die
         return [(None, ERROR, str(e))] * len(items), "", 0
-    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-        if is_async:
-            outcomes = asyncio.run(_run_async(items, timeout_s, trainer_state, _CONFIG.style, _CONFIG.concurrency))
-        else:
-            outcomes = _run_sync(items, timeout_s, trainer_state, _CONFIG.style)
+    try:
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            if is_async:
+                outcomes = asyncio.run(
+                    _run_async(items, timeout_s, trainer_state, _CONFIG.style, _CONFIG.concurrency)
+                )
+            else:
+                outcomes = _run_sync(items, timeout_s, trainer_state, _CONFIG.style)
+    finally:
+        _kill_leftover_children()
     return outcomes, sink.text(), sink.dropped
+
+
+def _kill_leftover_children() -> None:
+    """Kills what the user's code forked and left running (it would hold the pids limit), then reaps it."""
+    me = os.getpid()
+    try:
+        tasks = os.listdir("/proc/self/task")
+        if not any(open(f"/proc/self/task/{t}/children").read().strip() for t in tasks):
+            return
+        entries = [e for e in os.listdir("/proc") if e.isdigit() and int(e) != me]
+    except OSError:  # no /proc, or no children files in this kernel
+        return
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                pgid = int(f.read().rsplit(")", 1)[1].split()[2])
+            if pgid == me:
+                os.kill(int(entry), signal.SIGKILL)
+        except (OSError, ValueError, IndexError):
+            continue
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return

@@ -107,6 +107,7 @@ class LocalBackend:
                 raise BackendError(f"reward {reward.name!r}: secret {secret!r} is not set in the environment; "
                                    f"export it or remove it from `secrets`")
             env[secret] = os.environ[secret]
+        env.update(reward.env)
         return LocalSandbox(f"{reward.name}-{replica}", env)
 
     def close(self) -> None:

@@ -1,0 +1,262 @@
+"""Sandbox images: one per distinct package set, tagged by a content hash of everything that goes in.
+
+The user's packages (and the server's own) are resolved and downloaded **on the host** into a wheelhouse for the
+base image's Python version and platform, then installed in the image with ``pip --no-index``: the build needs no
+network, so it works where containers cannot reach a package index, and with private indexes (``pip_args``).
+A second build with nothing changed finds the tag and never calls the engine's build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import docker
+import docker.errors
+
+from .errors import ImageBuildError
+
+log = logging.getLogger("rewardbox")
+
+IMAGE_REPO = "rewardbox-sandbox"
+OFFLINE_BASE_REPO = "rewardbox/base"
+OFFLINE_BASE = f"{OFFLINE_BASE_REPO}:bookworm"
+SERVER_DISTRIBUTIONS = ("grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "pebble")
+_SERVER_DIR = Path(__file__).resolve().parent.parent / "sandbox_image"
+_PROBE = (
+    "import json, platform, sys; "
+    "print(json.dumps({'python': '%d.%d' % sys.version_info[:2], 'machine': platform.machine(), "
+    "'libc': list(platform.libc_ver())}))"
+)
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("REWARDBOX_CACHE", Path.home() / ".cache" / "rewardbox"))
+
+
+def server_requirements() -> list[str]:
+    """The sandbox server's own dependencies, pinned to the host's versions (the stubs were generated with them)."""
+    return [f"{name}=={metadata.version(name)}" for name in SERVER_DISTRIBUTIONS]
+
+
+@dataclass(frozen=True)
+class ImageTarget:
+    """What wheels a base image can install."""
+
+    python: str  # "3.11"
+    machine: str  # "x86_64"
+    libc: tuple  # ("glibc", "2.36") or ("", "") for musl and others
+
+    def pip_platform_args(self) -> list[str]:
+        abi = "cp" + self.python.replace(".", "")
+        args = ["--python-version", self.python, "--implementation", "cp", "--abi", abi, "--abi", "abi3",
+                "--abi", "none"]
+        platforms = []
+        if self.libc and self.libc[0] == "glibc":
+            minor = int(self.libc[1].split(".")[1])
+            platforms += [f"manylinux_2_{m}_{self.machine}" for m in range(minor, 4, -1)]
+            platforms += [f"manylinux2014_{self.machine}", f"manylinux2010_{self.machine}",
+                          f"manylinux1_{self.machine}"]
+        else:
+            platforms += [f"musllinux_1_{m}_{self.machine}" for m in range(2, -1, -1)]
+        platforms.append(f"linux_{self.machine}")
+        for p in platforms:
+            args += ["--platform", p]
+        return args
+
+    def describe(self) -> str:
+        libc = "-".join(self.libc) if self.libc and self.libc[0] else "non-glibc"
+        return f"Python {self.python} on {self.machine} ({libc})"
+
+
+def _server_files() -> list[Path]:
+    return sorted(p for p in _SERVER_DIR.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+                  and p.suffix in (".py", ".pyi", "") and p.name != "protogen.py")
+
+
+def content_hash(base_id: str, target: ImageTarget, requirements: Sequence[str], pip_args: Sequence[str]) -> str:
+    """sha256 over the base image id, its target, the requirements, pip arguments, Dockerfile and server code."""
+    h = hashlib.sha256()
+    h.update(json.dumps({"base": base_id, "target": asdict(target), "requirements": sorted(requirements),
+                         "pip_args": list(pip_args)}, sort_keys=True).encode())
+    for path in _server_files():
+        h.update(str(path.relative_to(_SERVER_DIR)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+class ImageBuilder:
+    """Builds and caches sandbox images. ``on_output`` receives build progress lines as they stream."""
+
+    def __init__(self, client: docker.DockerClient, cache_dir: Optional[Path] = None,
+                 on_output: Callable[[str], None] = lambda line: log.info("%s", line)):
+        self.client = client
+        self.cache_dir = Path(cache_dir or default_cache_dir())
+        self.on_output = on_output
+        self.engine_builds = 0  # how many times the engine's build was called (cache hits do not count)
+
+    # -- base image ---------------------------------------------------------------------------------------------
+    def base_image_id(self, base_image: str) -> str:
+        """The base image's id, pulling it, or building the offline base, when it is not present.
+
+        Raises:
+            ImageBuildError: it cannot be pulled (with the offline alternative named).
+        """
+        try:
+            return self.client.images.get(base_image).id
+        except docker.errors.ImageNotFound:
+            pass
+        if base_image.startswith(OFFLINE_BASE_REPO + ":"):
+            build_offline_base(self.client, tag=base_image, on_output=self.on_output)
+            return self.client.images.get(base_image).id
+        self.on_output(f"pulling {base_image}")
+        try:
+            return self.client.images.pull(base_image).id
+        except docker.errors.APIError as e:
+            raise ImageBuildError(
+                f"base image {base_image!r} is not present and cannot be pulled ({e.explanation or e}). Without a "
+                f"registry, run `rewardbox base-image` and set `sandbox.base_image: {OFFLINE_BASE}`."
+            ) from e
+
+    def target(self, base_image: str) -> ImageTarget:
+        """Python version and platform of a base image; asked once per image id and cached on disk."""
+        base_id = self.base_image_id(base_image)
+        cache = self.cache_dir / "targets.json"
+        known = json.loads(cache.read_text()) if cache.exists() else {}
+        if base_id not in known:
+            try:
+                out = self.client.containers.run(base_image, ["python3", "-c", _PROBE], remove=True,
+                                                 network_mode="none", entrypoint=[])
+            except docker.errors.ContainerError as e:
+                raise ImageBuildError(f"base image {base_image!r} has no working python3: {e.stderr!r}") from e
+            known[base_id] = json.loads(out.decode().strip().splitlines()[-1])
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text(json.dumps(known, indent=1))
+        t = known[base_id]
+        return ImageTarget(python=t["python"], machine=t["machine"], libc=tuple(t["libc"]))
+
+    # -- sandbox image ------------------------------------------------------------------------------------------
+    def tag_for(self, base_image: str, packages: Sequence[str], pip_args: Sequence[str] = ()) -> str:
+        base_id = self.base_image_id(base_image)
+        digest = content_hash(base_id, self.target(base_image), [*server_requirements(), *packages], pip_args)
+        return f"{IMAGE_REPO}:{digest[:20]}"
+
+    def ensure(self, base_image: str, packages: Sequence[str], pip_args: Sequence[str] = (),
+               owners: Sequence[str] = (), force: bool = False) -> str:
+        """Returns the tag of an image with these packages, building it only when no such image exists.
+
+        Raises:
+            ImageBuildError: a package cannot be resolved for the image (named, with the rewards that need it).
+        """
+        tag = self.tag_for(base_image, packages, pip_args)
+        if not force:
+            try:
+                self.client.images.get(tag)
+                return tag
+            except docker.errors.ImageNotFound:
+                pass
+        target = self.target(base_image)
+        with tempfile.TemporaryDirectory(prefix="rbx-build-") as ctx:
+            context = Path(ctx)
+            self._wheelhouse(target, list(packages), list(pip_args), context / "wheels", owners)
+            shutil.copytree(_SERVER_DIR, context / "server" / "sandbox_image",
+                            ignore=shutil.ignore_patterns("__pycache__", "protogen.py", "Dockerfile"))
+            shutil.copy(_SERVER_DIR / "Dockerfile", context / "Dockerfile")
+            self._build(context, tag, base_image)
+        return tag
+
+    def _wheelhouse(self, target: ImageTarget, packages: list[str], pip_args: list[str], dest: Path,
+                    owners: Sequence[str]) -> None:
+        requirements = [*server_requirements(), *packages]
+        key = hashlib.sha256(json.dumps([asdict(target), sorted(requirements), pip_args]).encode()).hexdigest()[:20]
+        cached = self.cache_dir / "wheelhouse" / key
+        if not (cached / ".complete").exists():
+            staging = Path(tempfile.mkdtemp(prefix="wheels-", dir=self.cache_dir))
+            self.on_output(f"downloading wheels for {target.describe()}: {', '.join(requirements)} and pip")
+            cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--quiet",
+                   "--only-binary=:all:", "--dest", str(staging), *target.pip_platform_args(), *pip_args,
+                   *requirements, "pip"]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise ImageBuildError(_explain_pip_failure(proc.stderr, packages, owners, target))
+            (staging / "requirements.txt").write_text("".join(r + "\n" for r in requirements))
+            (staging / ".complete").touch()
+            shutil.rmtree(cached, ignore_errors=True)
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            staging.rename(cached)
+        shutil.copytree(cached, dest, ignore=shutil.ignore_patterns(".complete"))
+
+    def _build(self, context: Path, tag: str, base_image: str) -> None:
+        self.engine_builds += 1
+        self.on_output(f"building {tag} from {base_image}")
+        stream = self.client.api.build(path=str(context), tag=tag, buildargs={"BASE": base_image}, rm=True,
+                                       forcerm=True, decode=True, network_mode="none",
+                                       labels={"rewardbox": "1"})
+        for chunk in stream:
+            if "error" in chunk:
+                raise ImageBuildError(f"building {tag} failed: {chunk['error'].strip()}")
+            line = chunk.get("stream", "").rstrip()
+            if line:
+                self.on_output(line)
+
+
+def _explain_pip_failure(stderr: str, packages: Sequence[str], owners: Sequence[str], target: ImageTarget) -> str:
+    missing = re.findall(r"No matching distribution found for (\S+)", stderr)
+    for_rewards = f" (needed by reward {', '.join(repr(o) for o in owners)})" if owners else ""
+    if missing:
+        name = missing[0]
+        return (f"package {name!r}{for_rewards} does not exist or has no wheel for {target.describe()}. Check the "
+                f"name and version in `packages`, or pick a version that ships a wheel for this platform; a "
+                f"private index goes in `sandbox.pip_args` (e.g. ['--index-url', URL]).\npip said: "
+                f"{stderr.strip().splitlines()[-1]}")
+    tail = "\n".join(stderr.strip().splitlines()[-8:])
+    return f"resolving packages {list(packages)}{for_rewards} for {target.describe()} failed:\n{tail}"
+
+
+def build_offline_base(client: docker.DockerClient, tag: str = OFFLINE_BASE, suite: str = "bookworm",
+                       mirror: str = "http://deb.debian.org/debian",
+                       on_output: Callable[[str], None] = lambda line: log.info("%s", line)) -> str:
+    """Builds a minimal Debian image with python3 from Debian packages alone (debootstrap, then import).
+
+    Needs root and debootstrap (``apt-get install debootstrap``). Returns the tag.
+
+    Raises:
+        ImageBuildError: debootstrap is missing, not root, or it failed (with its last output).
+    """
+    if shutil.which("debootstrap") is None:
+        raise ImageBuildError("debootstrap is not installed: `apt-get install debootstrap` (or run scripts/setup.sh)")
+    if os.geteuid() != 0:
+        raise ImageBuildError("building the offline base image needs root (debootstrap): run it with sudo")
+    with tempfile.TemporaryDirectory(prefix="rbx-rootfs-") as tmp:
+        rootfs = Path(tmp) / "rootfs"
+        on_output(f"debootstrap {suite} with python3 from {mirror} (a few minutes, once)")
+        proc = subprocess.Popen(["debootstrap", "--variant=minbase", "--include=python3", suite, str(rootfs), mirror],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines = []
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            if line.startswith(("I: Retrieving", "I: Base system installed", "I: Configuring python3")):
+                on_output(line.rstrip())
+        if proc.wait() != 0:
+            raise ImageBuildError(f"debootstrap failed:\n" + "\n".join(lines[-15:]))
+        for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):
+            shutil.rmtree(rootfs / junk, ignore_errors=True)
+        tarball = Path(tmp) / "rootfs.tar"
+        subprocess.run(["tar", "-C", str(rootfs), "-cf", str(tarball), "."], check=True)
+        repository, _, version = tag.partition(":")
+        on_output(f"importing {tag}")
+        client.api.import_image_from_file(str(tarball), repository=repository, tag=version or "latest",
+                                          changes=['CMD ["python3"]', "ENV LANG=C.UTF-8"])
+    return tag

@@ -1,0 +1,137 @@
+"""Images, recovery, lifecycle and backend choice with real containers."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import logging
+import subprocess
+import sys
+
+import docker.errors
+import pytest
+
+from runtime import BackendError, build_samples
+from runtime.backends import LocalBackend, select_backend
+from runtime.backends.docker import DockerBackend, DockerSandbox, remove_leftovers
+from runtime.client import Replica
+from runtime.image import ImageBuilder
+from runtime.spec import SandboxSettings
+from tests.conftest import run
+
+
+def test_a_package_from_packages_works_in_docker_while_absent_on_the_host(docker_sandboxes):
+    assert importlib.util.find_spec("emoji") is None, "the test needs a package the host does not have"
+    code = """
+    import emoji
+    def has_emoji(prompt, completion, example):
+        return float(emoji.emoji_count(completion))
+    """
+    s = docker_sandboxes([{"name": "has_emoji", "code": code, "packages": ["emoji"]}])
+    report = run(s["has_emoji"].client.score(build_samples(["p", "p"], ["no", "yes \U0001F600\U0001F600"], {})))
+    assert report.statuses == ["ok", "ok"] and report.values == [0.0, 2.0]
+
+
+def test_an_unknown_package_fails_before_start_naming_it(write_config, docker_client, base_image):
+    from runtime import ImageBuildError, RewardSandboxes, load_config
+
+    path = write_config([{"name": "r", "code": "def r(prompt, completion, example):\n    return 1.0\n",
+                          "packages": ["rewardbox-no-such-package-zz9"]}],
+                        {"backend": "docker", "base_image": base_image})
+    with pytest.raises(ImageBuildError, match=r"package 'rewardbox-no-such-package-zz9' \(needed by reward 'r'\) "
+                                               r"does not exist or has no wheel for Python 3\.11"):
+        RewardSandboxes(load_config(path), backend=DockerBackend(docker_client)).start()
+
+
+def test_image_cache_hit_skips_the_engine_build_and_a_change_misses(docker_client, base_image, tmp_path):
+    builder = ImageBuilder(docker_client, cache_dir=tmp_path / "cache", on_output=lambda line: None)
+    tag = builder.tag_for(base_image, ["emoji==2.16.0"])
+    try:
+        docker_client.images.remove(tag, force=True)
+    except docker.errors.ImageNotFound:
+        pass
+    assert builder.ensure(base_image, ["emoji==2.16.0"]) == tag
+    assert builder.engine_builds == 1
+    assert builder.ensure(base_image, ["emoji==2.16.0"]) == tag
+    assert builder.engine_builds == 1  # hit: no build call at all
+    assert builder.tag_for(base_image, ["emoji==2.15.0"]) != tag  # any change of what goes in is a new tag
+
+
+def test_killing_the_container_mid_batch_loses_no_sample(docker_sandboxes):
+    code = """
+    import time
+    def slow(prompt, completion, example):
+        time.sleep(0.3)
+        return float(len(completion))
+    """
+    s = docker_sandboxes([{"name": "slow", "code": code, "workers": 2, "retries": 3}])
+    replica = s.replicas["slow"][0]
+    old = replica.sandbox.container.id
+
+    async def main():
+        async def kill():
+            await asyncio.sleep(0.5)
+            await asyncio.to_thread(replica.sandbox.container.kill)
+        killer = asyncio.ensure_future(kill())
+        report = await s["slow"].client.score(build_samples(["p"] * 10, ["x" * i for i in range(1, 11)], {}))
+        await killer
+        return report
+
+    report = run(main())
+    assert report.statuses == ["ok"] * 10
+    assert report.values == [float(i) for i in range(1, 11)]
+    assert replica.restarts == 1 and replica.sandbox.container.id != old
+
+
+def test_a_container_that_never_becomes_healthy_fails_with_its_logs(docker_client, base_image, tmp_path):
+    sandbox = DockerSandbox(docker_client, "broken-0", {
+        "image": base_image, "command": ["python3", "-c", "print('no server here'); raise SystemExit(3)"],
+        "name": "rewardbox-test-broken", "labels": {"rewardbox": "1", "rewardbox.socket_dir": str(tmp_path / "s")},
+    })
+    replica = Replica(sandbox, [], start_timeout_s=10)
+    with pytest.raises(BackendError, match=r"(?s)exited during start-up.*no server here"):
+        replica.start()
+    with pytest.raises(docker.errors.NotFound):
+        docker_client.containers.get("rewardbox-test-broken")  # removed after the failed start
+
+
+def test_leftover_containers_of_a_dead_run_are_removed_at_start(docker_client, base_image, tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    import socket
+
+    container = docker_client.containers.run(
+        base_image, ["sleep", "300"], detach=True, name="rewardbox-test-leftover",
+        labels={"rewardbox": "1", "rewardbox.run": "old", "rewardbox.host": socket.gethostname(),
+                "rewardbox.pid": str(dead.pid)},
+    )
+    try:
+        assert "rewardbox-test-leftover" in remove_leftovers(docker_client)
+        with pytest.raises(docker.errors.NotFound):
+            docker_client.containers.get(container.id)
+    finally:
+        try:
+            container.remove(force=True)
+        except docker.errors.NotFound:
+            pass
+
+
+def test_auto_picks_docker_when_an_engine_answers_and_local_otherwise(docker_client, monkeypatch, caplog):
+    assert isinstance(select_backend(SandboxSettings(backend="auto")), DockerBackend)
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
+    with caplog.at_level(logging.WARNING, logger="rewardbox"):
+        backend = select_backend(SandboxSettings(backend="auto"))
+    assert isinstance(backend, LocalBackend)
+    assert "WITHOUT ISOLATION" in caplog.text
+    with pytest.raises(BackendError, match="no Docker engine answers"):
+        select_backend(SandboxSettings(backend="docker"))
+
+
+def test_containers_are_removed_on_exit_and_on_errors(docker_sandboxes, docker_client):
+    s = docker_sandboxes([{"name": "r", "code": "def r(prompt, completion, example):\n    return 1.0\n",
+                           "replicas": 2}])
+    ids = [r.sandbox.container.id for r in s.replicas["r"]]
+    s.stop()
+    for cid in ids:
+        with pytest.raises(docker.errors.NotFound):
+            docker_client.containers.get(cid)
