@@ -44,7 +44,7 @@ def _sigterm_as_interrupt() -> None:
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
-    console.print(f"[bold red]error:[/] {message}", highlight=False)
+    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -213,6 +213,57 @@ def base_image(
         out_console.print(tag)
     except RewardboxError as e:
         raise fail(str(e)) from None
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def train(
+    ctx: typer.Context,
+    config: Path = typer.Argument(..., help="training YAML: sandbox, rewards, model, dataset, grpo, lora"),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+) -> None:
+    """Train with GRPO on sandboxed rewards. Override any field: --grpo.max_steps 5 --lora.r 8."""
+    _setup_logging(verbose)
+    _sigterm_as_interrupt()
+    from trainer import load_train_config
+    from trainer import train as run_training
+
+    try:
+        cfg = load_train_config(config, ctx.args)
+        result = run_training(cfg)
+    except RewardboxError as e:
+        raise fail(str(e)) from None
+    except KeyboardInterrupt:
+        raise fail("interrupted; all sandboxes were removed", code=130) from None
+    rewards = [h["reward"] for h in result.log_history if "reward" in h]
+    if rewards:
+        k = min(10, len(rewards))
+        out_console.print(f"{len(rewards)} steps; mean total reward of the first {k} steps: "
+                          f"{sum(rewards[:k]) / k:.3f}, of the last {k}: {sum(rewards[-k:]) / k:.3f}")
+    out_console.print(f"saved to {result.output_dir} (adapter, tokenizer, reward_logs.jsonl, rewards.png)")
+
+
+@app.command()
+def bench(
+    base_image: str = typer.Option("rewardbox/base:bookworm", help="base image of the sandbox image"),
+    iterations: int = typer.Option(200, min=10, help="64-sample batches for the overhead figure"),
+) -> None:
+    """Measure sandbox overhead, throughput, cold start and build times; print them beside our targets."""
+    _setup_logging(False)
+    from .bench import run_bench
+
+    try:
+        figures = run_bench(base_image, iterations, progress=lambda m: console.print(m, style="dim"))
+    except RewardboxError as e:
+        raise fail(str(e)) from None
+    table = Table(title="rewardbox bench (docker backend, this machine)")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_column("target", justify="right")
+    table.add_column("met")
+    for f in figures:
+        met = "" if f.met is None else ("[green]yes[/]" if f.met else "[red]no[/]")
+        table.add_row(f.name, f.value, f.target, met)
+    out_console.print(table)
 
 
 @app.command()

@@ -35,6 +35,14 @@ from .spec import RewardSpec, SandboxSettings
 
 log = logging.getLogger("rewardbox")
 
+# gRPC waits 1 s before reconnecting after a failed connect; a sandbox that is starting (or restarting) is up
+# well before that, so reconnect quickly.
+CHANNEL_OPTIONS = [
+    *GRPC_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 20),
+    ("grpc.min_reconnect_backoff_ms", 20),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 TRANSIENT_CODES = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 )
@@ -89,7 +97,7 @@ class Replica:
 
     def _control_stub(self) -> pb_grpc.RewardSandboxStub:
         if self._control is None:
-            self._control = grpc.insecure_channel(self.sandbox.address, options=GRPC_OPTIONS)
+            self._control = grpc.insecure_channel(self.sandbox.address, options=CHANNEL_OPTIONS)
         return pb_grpc.RewardSandboxStub(self._control)
 
     def stub(self) -> pb_grpc.RewardSandboxStub:
@@ -99,7 +107,7 @@ class Replica:
         if entry is None:
             for old in [k for k in self._aio if k.is_closed()]:
                 del self._aio[old]
-            channel = grpc.aio.insecure_channel(self.sandbox.address, options=GRPC_OPTIONS)
+            channel = grpc.aio.insecure_channel(self.sandbox.address, options=CHANNEL_OPTIONS)
             entry = self._aio[loop] = (channel, pb_grpc.RewardSandboxStub(channel))
         return entry[1]
 

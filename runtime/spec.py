@@ -93,6 +93,7 @@ class RewardboxConfig(_Strict):
     grpo: Optional[dict[str, Any]] = None
     lora: Optional[dict[str, Any]] = None
     output_dir: Optional[str] = None
+    save_merged: bool = Field(default=False, description="also save the LoRA-merged model (training)")
     base_dir: Path = Field(default=Path("."), exclude=True, description="directory sources are relative to")
 
     @model_validator(mode="after")

@@ -13,6 +13,10 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 SPECIAL = ["<|pad|>", "<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+# Reasoning-format tags as single ordinary tokens (kept when decoding), so that even an untrained model emits
+# them now and then and format rewards vary within a GRPO group from the first step.
+TAGS = ["<think>", "</think>", "<answer>", "</answer>"]
+VERSION = 2  # bump when the model or tokenizer changes: it is part of the cache path
 _CORPUS = (
     "<answer> </answer> <think> </think> The answer is 0 1 2 3 4 5 6 7 8 9 10 11 12 + - * / = ? . , "
     "What is how many apples does Tom have if he buys more and gives away some? Let me think step by step."
@@ -29,10 +33,11 @@ def build_tiny_model(path: str | Path, seed: int = 0) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator([_CORPUS] * 4, vocab_size=400, min_frequency=1, special_tokens=SPECIAL, show_progress=False)
+    bpe.train_from_iterator([_CORPUS] * 4, vocab_size=300, min_frequency=1, special_tokens=SPECIAL, show_progress=False)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe._tokenizer, pad_token="<|pad|>", bos_token="<|bos|>", eos_token="<|end|>"
     )
+    tokenizer.add_tokens(TAGS)
     tokenizer.chat_template = CHAT_TEMPLATE
     torch.manual_seed(seed)
     config = LlamaConfig(

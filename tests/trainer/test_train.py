@@ -1,0 +1,169 @@
+"""`train()` end to end with the tiny model and Docker-sandboxed rewards."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+from transformers import TrainerCallback
+
+from runtime import ConfigError
+from runtime.backends.docker import DockerBackend
+from tests.docker.conftest import base_image, docker_client  # noqa: F401 - fixtures
+from trainer import load_train_config, train
+
+REWARDS = """
+import os, time
+
+def shape(prompt, completion, example):
+    print(f"scored-in-sandbox uid={os.getuid()}")
+    return float(len(completion) % 3)
+
+def slow(prompt, completion, example):
+    if len(completion) % 2 == 0:  # about half of the samples: times out
+        time.sleep(5)
+    return 1.0
+"""
+
+
+def write_training_config(tmp_path: Path, base_image: str, rewards: list[dict], **grpo) -> Path:
+    (tmp_path / "data.jsonl").write_text("".join(
+        json.dumps({"question": f"What is {i} + 1?", "answer": i + 1, "slow": i % 2 == 0}) + "\n" for i in range(8)
+    ))
+    config = {
+        "sandbox": {"backend": "docker", "base_image": base_image},
+        "model": {"name_or_path": "builtin:tiny", "dtype": "float32"},
+        "dataset": {"path": "data.jsonl", "question_column": "question", "system_prompt": "Answer briefly."},
+        "grpo": {"max_steps": 3, "per_device_train_batch_size": 4, "num_generations": 4,
+                 "max_completion_length": 8, "learning_rate": 0.01, "save_strategy": "no", "seed": 0, **grpo},
+        "lora": {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"},
+        "output_dir": str(tmp_path / "out"),
+        "rewards": rewards,
+    }
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def write_reward(tmp_path: Path, name: str, code: str) -> str:
+    (tmp_path / "rewards").mkdir(exist_ok=True)
+    (tmp_path / "rewards" / name).write_text(textwrap.dedent(code))
+    return f"rewards/{name}"
+
+
+def reward_log(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "reward_logs.jsonl").read_text().splitlines()]
+
+
+def test_training_with_docker_sandboxes_end_to_end(tmp_path, docker_client, base_image):  # noqa: F811
+    source = write_reward(tmp_path, "rewards.py", REWARDS)
+    path = write_training_config(tmp_path, base_image, [
+        {"name": "shape", "source": source},
+        {"name": "slow", "source": source, "timeout_s": 0.5, "default_score": 0.0, "workers": 4},
+    ])
+    result = train(path, backend=DockerBackend(docker_client))
+    out = result.output_dir
+    history = [h for h in result.log_history if "rewards/shape/mean" in h]
+    assert len(history) == 3
+
+    # every logged reward came from the sandbox: the trainer's per-step means are the sandbox reports' means
+    records = reward_log(out)
+    shape_means = [r["mean"] for r in records if r["reward"] == "shape"]
+    assert shape_means == pytest.approx([h["rewards/shape/mean"] for h in history])
+    assert [r["step"] for r in records if r["reward"] == "shape"] == [0, 1, 2]
+    assert all("scored-in-sandbox uid=65534" in r["logs"] for r in records if r["reward"] == "shape")
+
+    # the reward that times out on about half the samples did not stop training; its fallbacks were logged
+    slow = [r for r in records if r["reward"] == "slow"]
+    assert sum(r["statuses"].get("timeout", 0) for r in slow) > 0
+    assert sum(r["statuses"].get("ok", 0) for r in slow) > 0  # the other samples kept their real scores
+    assert any(h["sandbox/slow/timeout_rate"] > 0 for h in history)
+    for h in history:
+        assert h["sandbox/slow/fallback_rate"] == h["sandbox/slow/timeout_rate"]
+        assert h["rewards/slow/mean"] == pytest.approx(1.0 - h["sandbox/slow/timeout_rate"])
+
+    # LoRA weights changed (lora_B starts at zero) and everything was saved
+    weights = load_file(out / "adapter_model.safetensors")
+    lora_b = [t for name, t in weights.items() if "lora_B" in name]
+    assert lora_b and any(t.abs().sum() > 0 for t in lora_b)
+    assert (out / "adapter_config.json").exists() and (out / "tokenizer.json").exists()
+    assert (out / "rewards.png").stat().st_size > 1000
+    # and no container of this process is left
+    mine = docker_client.containers.list(all=True, filters={"label": f"rewardbox.pid={os.getpid()}"})
+    assert mine == []
+
+
+class EditRewardFile(TrainerCallback):
+    """Rewrites the reward file at the end of given steps, as a user editing it during training would."""
+
+    def __init__(self, path: Path, edits: dict[int, str]):
+        self.path, self.edits = path, edits
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step in self.edits:
+            self.path.write_text(textwrap.dedent(self.edits[state.global_step]))
+
+
+def test_editing_a_reward_file_mid_run_takes_effect_from_the_next_step(tmp_path, docker_client, base_image):  # noqa: F811
+    source = write_reward(tmp_path, "live.py", "def live(prompt, completion, example):\n    return 1.0\n")
+    path = write_training_config(tmp_path, base_image, [{"name": "live", "source": source}], max_steps=5)
+    edits = {
+        2: "def live(prompt, completion, example):\n    return 5.0\n",
+        3: "def live(prompt, completion, example):\n    return (\n",  # broken: the previous version keeps running
+    }
+    result = train(path, backend=DockerBackend(docker_client),
+                   callbacks=[EditRewardFile(tmp_path / source, edits)])
+    means = [h["rewards/live/mean"] for h in result.log_history if "rewards/live/mean" in h]
+    assert means == [1.0, 1.0, 5.0, 5.0, 5.0]
+    events = [r for r in reward_log(result.output_dir) if "event" in r]
+    assert [(e["event"], e["step"]) for e in events] == [("reloaded", 2), ("reload_failed", 3)]
+    assert "SyntaxError" in events[1]["detail"]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"grpo": {"max_stepz": 3}}, r"unknown key 'grpo\.max_stepz': not a GRPOConfig field; did you mean 'max_steps'"),
+        ({"lora": {"rank": 4}}, r"unknown key 'lora\.rank': not a LoraConfig field"),
+        ({"modell": {}}, r"unknown key 'modell'"),
+        ({"rewards": [{"name": "gone", "source": "rewards/gone.py"}]}, r"reward 'gone': source file .* does not exist"),
+        ({"dataset": {"path": "data.jsonl", "question_column": "questoin"}},
+         r"no column 'questoin' for dataset\.question_column \(columns: question, answer, slow\)"),
+        ({"dataset": {"path": "missing.jsonl"}}, r"dataset missing\.jsonl: file .* does not exist"),
+    ],
+)
+def test_config_errors_fail_before_training_naming_the_problem(tmp_path, monkeypatch, change, message):
+    source = write_reward(tmp_path, "ok.py", "def ok(prompt, completion, example):\n    return 1.0\n")
+    path = write_training_config(tmp_path, "unused", [{"name": "ok", "source": source}])
+    data = yaml.safe_load(path.read_text())
+    data["sandbox"]["backend"] = "local"
+    data.update(change)
+    path.write_text(yaml.safe_dump(data))
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the model was loaded although the config is broken")
+
+    monkeypatch.setattr("trainer.run.load_model", must_not_run)
+    monkeypatch.setattr("runtime.session.RewardSandboxes.start", must_not_run)
+    with pytest.raises(ConfigError, match=message):
+        train(path)
+
+
+def test_command_line_overrides_in_trl_style(tmp_path):
+    source = write_reward(tmp_path, "ok.py", "def ok(prompt, completion, example):\n    return 1.0\n")
+    path = write_training_config(tmp_path, "unused", [{"name": "ok", "source": source}])
+    cfg = load_train_config(path, ["--grpo.max_steps", "7", "--lora.r=2", "--model.dtype", "bfloat16",
+                                   "--sandbox.backend", "local"])
+    assert cfg.grpo["max_steps"] == 7 and cfg.lora["r"] == 2
+    assert cfg.model.dtype == "bfloat16" and cfg.rewards.sandbox.backend == "local"
+    proc = subprocess.run([sys.executable, "-m", "trainer", str(path), "--grpo.max_stepz", "3"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "did you mean 'max_steps'" in proc.stderr

@@ -1,0 +1,140 @@
+"""Trainer callbacks: what each reward printed (reward_logs.jsonl), the reward plot (rewards.png), and hot
+reloading of edited reward files between steps."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+from transformers import TrainerCallback
+
+from runtime import RewardLoadError, RewardSandboxes
+from runtime.client import ScoreReport
+
+log = logging.getLogger("rewardbox")
+
+STATUSES = ("ok", "error", "timeout", "crash", "invalid", "unavailable")
+
+
+class RewardLog:
+    """Appends one JSON line per scored batch and per reward event to ``reward_logs.jsonl``."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._lock = threading.Lock()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
+
+    def write(self, record: dict) -> None:
+        line = json.dumps({"time": round(time.time(), 3), **record}) + "\n"
+        with self._lock, open(self.path, "a") as f:
+            f.write(line)
+
+    def listener(self, report: ScoreReport, state) -> None:
+        scored = [v for v in report.values if v is not None]
+        self.write({
+            "step": int(state.global_step) if state is not None else None,
+            "reward": report.name,
+            "samples": len(report.values),
+            "mean": sum(scored) / len(scored) if scored else None,
+            "statuses": {s: report.count(s) for s in STATUSES if report.count(s)},
+            "latency_s": round(report.latency_s, 4),
+            "logs": report.logs,
+        })
+
+
+def plot_rewards(log_history: list[dict], names: list[str], path: Path) -> Optional[Path]:
+    """Writes total and per-function mean reward by step to ``path``; returns it (None before any step)."""
+    rows = [h for h in log_history if "reward" in h and "step" in h]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    steps = [h["step"] for h in rows]
+    ax.plot(steps, [h["reward"] for h in rows], label="total (weighted)", linewidth=2.2, color="black")
+    for name in names:
+        key = f"rewards/{name}/mean"
+        points = [(h["step"], h[key]) for h in rows if key in h]
+        if points:
+            ax.plot(*zip(*points), label=name, alpha=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    ax.set_title("GRPO rewards (rewardbox)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+class RewardPlotCallback(TrainerCallback):
+    def __init__(self, path: Path, names: list[str]):
+        self.path, self.names = path, names
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            plot_rewards(state.log_history, self.names, self.path)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            plot_rewards(state.log_history, self.names, self.path)
+
+
+class RewardReloadCallback(TrainerCallback):
+    """Before each step, reloads reward files that changed on disk into their running sandboxes.
+
+    A file that no longer loads keeps the previous version serving; both outcomes are logged with the step.
+    """
+
+    def __init__(self, sandboxes: RewardSandboxes, reward_log: Optional[RewardLog] = None):
+        self.sandboxes = sandboxes
+        self.reward_log = reward_log
+        self._seen = {r.name: self._fingerprint(r.name) for r in sandboxes.config.rewards}
+
+    def _fingerprint(self, name: str) -> tuple:
+        reward = next(r for r in self.sandboxes.config.rewards if r.name == name)
+        path = self.sandboxes.config.source_path(reward)
+        try:
+            stat = path.stat()
+            return stat.st_mtime_ns, hashlib.sha256(path.read_bytes()).hexdigest()
+        except OSError:
+            return None, None
+
+    def check(self, step: int) -> list[str]:
+        """Reloads what changed; returns the names reloaded."""
+        reloaded = []
+        for name, (mtime, digest) in list(self._seen.items()):
+            new_mtime, new_digest = self._fingerprint(name)
+            if new_mtime == mtime or new_digest is None:
+                continue
+            self._seen[name] = (new_mtime, new_digest)
+            if new_digest == digest:
+                continue
+            try:
+                self.sandboxes.reload(name)
+            except RewardLoadError as e:
+                log.error("reward %s changed at step %d but does not load; the previous version keeps running:\n%s",
+                          name, step, e)
+                self._event(step, name, "reload_failed", str(e))
+                continue
+            log.warning("reward %s reloaded from its edited file at step %d", name, step)
+            self._event(step, name, "reloaded", new_digest[:12])
+            reloaded.append(name)
+        return reloaded
+
+    def _event(self, step: int, name: str, event: str, detail: str) -> None:
+        if self.reward_log is not None:
+            self.reward_log.write({"step": step, "reward": name, "event": event, "detail": detail})
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.check(state.global_step)

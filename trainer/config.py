@@ -1,0 +1,149 @@
+"""The training config: the rewardbox YAML (``sandbox``, ``rewards``) plus ``model``, ``dataset``, ``grpo``,
+``lora`` and ``output_dir``, with command-line overrides in the style TRL users know (``--grpo.max_steps 5``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from pathlib import Path
+from typing import Any, Literal, Optional, Sequence
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from runtime.errors import ConfigError
+from runtime.spec import RewardboxConfig, format_validation_error, parse_config
+
+BUILTIN_TINY = "builtin:tiny"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSection(_Strict):
+    name_or_path: str = Field(default=BUILTIN_TINY, description="hub id, local path, or builtin:tiny (offline)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    trust_remote_code: bool = False
+    revision: Optional[str] = None
+
+
+class DatasetSection(_Strict):
+    path: str = Field(description="hub dataset id, or a local .json/.jsonl/.csv/.parquet file (relative to config)")
+    name: Optional[str] = Field(default=None, description="hub dataset config name")
+    split: str = "train"
+    test_split: Optional[str] = Field(default=None, description="hub split for evaluation")
+    test_size: Optional[float] = Field(default=None, gt=0, lt=1, description="fraction held out for evaluation")
+    prompt_column: str = Field(default="prompt", description="a ready prompt column: text or messages")
+    question_column: Optional[str] = Field(default=None, description="build conversational prompts from this column")
+    system_prompt: Optional[str] = None
+    limit: Optional[int] = Field(default=None, gt=0, description="use the first N rows")
+
+
+class TrainConfig(BaseModel):
+    """Everything ``rewardbox train`` needs, validated before anything starts."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    rewards: RewardboxConfig
+    model: ModelSection
+    dataset: DatasetSection
+    grpo: dict[str, Any]
+    lora: Optional[dict[str, Any]]
+    output_dir: Path
+    save_merged: bool = False
+
+    @property
+    def base_dir(self) -> Path:
+        return self.rewards.base_dir
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
+    """Applies ``--a.b value`` / ``--a.b=value`` pairs (values parsed as YAML) to a raw config mapping.
+
+    Raises:
+        ConfigError: an override is malformed or lacks a value.
+    """
+    args = list(overrides)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) < 3:
+            raise ConfigError(f"override {arg!r} is not of the form --section.key VALUE (e.g. --grpo.max_steps 5)")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override --{key} has no value")
+            value = args[i + 1]
+            i += 1
+        i += 1
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            if node.get(part) is None:
+                node[part] = {}
+            if not isinstance(node[part], dict):
+                raise ConfigError(f"override --{key}: {part!r} is not a section")
+            node = node[part]
+        node[parts[-1]] = _parse_value(value)
+    return data
+
+
+def _check_fields(section: str, values: dict, cls: type, reserved: Sequence[str] = ()) -> None:
+    fields = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        if key in reserved:
+            raise ConfigError(f"{section}.{key} is set by rewardbox ({reserved[key]}); remove it from the config")
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"unknown key '{section}.{key}': not a {cls.__name__} field{hint}")
+
+
+def parse_train_config(data: Any, base_dir: Path, where: str = "config") -> TrainConfig:
+    """Validates every section. Raises ConfigError naming the key (or the reward file) at fault."""
+    rewards = parse_config(data, base_dir, where)
+    if rewards.dataset is None:
+        raise ConfigError(f"{where}: missing required section 'dataset' (at least `dataset: {{path: ...}}`)")
+    try:
+        model = ModelSection.model_validate(rewards.model or {})
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, f"{where}: model")) from None
+    try:
+        dataset = DatasetSection.model_validate(rewards.dataset)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, f"{where}: dataset")) from None
+    grpo = dict(rewards.grpo or {})
+    from trl import GRPOConfig
+
+    _check_fields("grpo", grpo, GRPOConfig, reserved={"reward_weights": "from each reward's weight",
+                                                      "output_dir": "top-level output_dir"})
+    lora = rewards.lora
+    if lora is not None:
+        from peft import LoraConfig
+
+        _check_fields("lora", lora, LoraConfig)
+    return TrainConfig(rewards=rewards, model=model, dataset=dataset, grpo=grpo, lora=lora,
+                       output_dir=Path(rewards.output_dir or "outputs/rewardbox-grpo"),
+                       save_merged=rewards.save_merged)
+
+
+def load_train_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Reads the YAML file, applies overrides, validates. Raises ConfigError."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections")
+    return parse_train_config(apply_overrides(data, overrides), path.resolve().parent, where=str(path))
