@@ -25,6 +25,29 @@ from .errors import ConfigError
 _NAME = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
 
 
+class _Yaml12BoolLoader(yaml.SafeLoader):
+    """SafeLoader where only true/false are booleans (YAML 1.2): `save_strategy: no` stays the string 'no'."""
+
+
+_Yaml12BoolLoader.yaml_implicit_resolvers = {
+    key: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for key, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12BoolLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+# YAML 1.1 needs a dot in a float; `learning_rate: 5e-6` must not become a string.
+_Yaml12BoolLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9]+(?:\.[0-9]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
+
+
+def yaml_load(text: str):
+    """Parses YAML text as YAML 1.2 reads it: yes/no/on/off are strings (TRL users write `save_strategy: no`),
+    and 5e-6 is a float."""
+    return yaml.load(text, Loader=_Yaml12BoolLoader)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -160,7 +183,7 @@ def load_config(path: str | Path) -> RewardboxConfig:
     """
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml_load(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except yaml.YAMLError as e:

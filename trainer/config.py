@@ -12,7 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from runtime.errors import ConfigError
-from runtime.spec import RewardboxConfig, format_validation_error, parse_config
+from runtime.spec import RewardboxConfig, format_validation_error, parse_config, yaml_load
 
 BUILTIN_TINY = "builtin:tiny"
 
@@ -60,7 +60,7 @@ class TrainConfig(BaseModel):
 
 def _parse_value(text: str) -> Any:
     try:
-        return yaml.safe_load(text)
+        return yaml_load(text)
     except yaml.YAMLError:
         return text
 
@@ -139,7 +139,7 @@ def load_train_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainC
     """Reads the YAML file, applies overrides, validates. Raises ConfigError."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml_load(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except yaml.YAMLError as e:

@@ -148,6 +148,8 @@ def train(
         # Rank 0 builds the images first; the other ranks then find them cached. Ranks do not share containers.
         with state.main_process_first():
             sandboxes.start()
+        log.info("rank %d of %d: %d reward sandbox(es) running on the %s backend", state.process_index,
+                 state.num_processes, sum(len(r) for r in sandboxes.replicas.values()), sandboxes.backend.name)
         log_name = "reward_logs.jsonl" if state.is_main_process else f"reward_logs.rank{state.process_index}.jsonl"
         reward_log = RewardLog(output_dir / log_name)
         for reward in sandboxes.rewards:

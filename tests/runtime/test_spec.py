@@ -67,3 +67,10 @@ def test_cli_score_exits_nonzero_on_a_broken_reward_before_scoring(write_config,
     assert proc.returncode == 2
     assert "SyntaxError" in proc.stderr and "ok.py:2" in proc.stderr
     assert not out.exists()
+
+
+def test_yaml_reads_no_as_a_string_and_5e_minus_6_as_a_float():
+    from runtime.spec import yaml_load
+
+    assert yaml_load("save_strategy: no\nlearning_rate: 5e-6\nflag: true\nn: 3\nname: on") == {
+        "save_strategy": "no", "learning_rate": 5e-6, "flag": True, "n": 3, "name": "on"}
