@@ -61,6 +61,8 @@ class FunctionPool:
     info: dict = field(default_factory=dict)
     pool: Optional[ProcessPool] = None
     registry_dir: str = ""
+    in_flight: int = 0  # Score requests using this version (all on the server's event loop: no lock needed)
+    retiring: bool = False
 
     @classmethod
     def start(
@@ -116,6 +118,15 @@ class FunctionPool:
         """Scores items across the workers; one outcome per item, in order. Never raises for user-code failures."""
         if not items:
             return BatchResult([])
+        self.in_flight += 1
+        try:
+            return await self._score(items, timeout_s, state)
+        finally:
+            self.in_flight -= 1
+            if self.retiring and self.in_flight == 0:
+                self.close(wait=True)
+
+    async def _score(self, items: list, timeout_s: float, state: Optional[dict]) -> BatchResult:
         # A batch-style function sees exactly the batch it was given (TRL rewards may compare within it).
         n_chunks = 1 if self.style == "batch" else min(self.workers, len(items))
         bounds = [round(i * len(items) / n_chunks) for i in range(n_chunks + 1)]
@@ -190,9 +201,15 @@ class FunctionPool:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self.registry_dir, name))
 
+    def retire(self) -> None:
+        """A newer version took over: stop the workers once the requests still using this one are done."""
+        self.retiring = True
+        if self.in_flight == 0:
+            self.close(wait=True)
+
     def close(self, wait: bool) -> None:
         """Stops the workers: after in-flight tasks finish (``wait``) or at once."""
-        pool = self.pool
+        pool, self.pool = self.pool, None
         if pool is None:
             return
         if wait:

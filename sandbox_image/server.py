@@ -99,7 +99,7 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
                 old = self.functions.get(fp.name)
                 self.functions[fp.name] = fp
                 if old is not None:
-                    old.close(wait=True)
+                    old.retire()
                 log.info("loaded %s from %s (%s)", fp.name, fp.filename, fp.source_sha256[:12])
             return pb.LoadResponse(functions=[_info(fp) for fp in started])
 

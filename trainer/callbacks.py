@@ -13,7 +13,7 @@ from typing import Optional
 
 from transformers import TrainerCallback
 
-from runtime import RewardLoadError, RewardSandboxes
+from runtime import RewardboxError, RewardLoadError, RewardSandboxes
 from runtime.client import ScoreReport
 
 log = logging.getLogger("rewardbox")
@@ -117,16 +117,22 @@ class RewardReloadCallback(TrainerCallback):
             new_mtime, new_digest = self._fingerprint(name)
             if new_mtime == mtime or new_digest is None:
                 continue
-            self._seen[name] = (new_mtime, new_digest)
             if new_digest == digest:
+                self._seen[name] = (new_mtime, new_digest)
                 continue
             try:
                 self.sandboxes.reload(name)
             except RewardLoadError as e:
+                self._seen[name] = (new_mtime, new_digest)
                 log.error("reward %s changed at step %d but does not load; the previous version keeps running:\n%s",
                           name, step, e)
                 self._event(step, name, "reload_failed", str(e))
                 continue
+            except RewardboxError as e:  # the sandbox is down right now: keep the change pending, try next step
+                log.warning("reward %s changed at step %d but its sandbox could not take it now (%s); "
+                            "trying again at the next step", name, step, e)
+                continue
+            self._seen[name] = (new_mtime, new_digest)
             log.warning("reward %s reloaded from its edited file at step %d", name, step)
             self._event(step, name, "reloaded", new_digest[:12])
             reloaded.append(name)

@@ -71,6 +71,7 @@ class LocalSandbox:
         for pid_file in workers.glob("*/*") if workers.exists() else ():
             with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
                 os.killpg(int(pid_file.name), signal.SIGKILL)
+            pid_file.unlink(missing_ok=True)  # a reused pid must never be killed later
 
     def restart(self) -> None:
         self._kill()

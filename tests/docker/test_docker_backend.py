@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import logging
+import os
 import subprocess
 import sys
 
@@ -135,3 +136,54 @@ def test_containers_are_removed_on_exit_and_on_errors(docker_sandboxes, docker_c
     for cid in ids:
         with pytest.raises(docker.errors.NotFound):
             docker_client.containers.get(cid)
+
+
+def _containers_of(docker_client, pid: int) -> list:
+    return docker_client.containers.list(all=True, filters={"label": f"rewardbox.pid={pid}"})
+
+
+def test_ctrl_c_removes_every_container(write_config, docker_client, base_image, tmp_path):
+    import json
+    import signal
+    import time
+
+    path = write_config([{"name": "slow", "code": "import time\ndef slow(prompt, completion, example):\n"
+                                                  "    time.sleep(30)\n    return 1.0\n", "replicas": 2,
+                          "timeout_s": 60}],
+                        {"backend": "docker", "base_image": base_image})
+    samples = tmp_path / "s.jsonl"
+    samples.write_text("".join(json.dumps({"prompt": "p", "completion": str(i)}) + "\n" for i in range(4)))
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "score", str(path), "--samples", str(samples)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(_containers_of(docker_client, proc.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(_containers_of(docker_client, proc.pid)) == 2
+    time.sleep(1.0)  # scoring is under way
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    assert proc.returncode != 0
+    assert _containers_of(docker_client, proc.pid) == []
+
+
+def test_a_reward_that_fails_to_load_leaves_no_container(write_config, docker_client, base_image):
+    from runtime import RewardLoadError, RewardSandboxes, load_config
+
+    path = write_config([{"name": "ok", "code": "def ok(prompt, completion, example):\n    return 1.0\n"},
+                         {"name": "broken", "code": "def broken(prompt, completion, example):\n    return (\n",
+                          "replicas": 2}],
+                        {"backend": "docker", "base_image": base_image})
+    sandboxes = RewardSandboxes(load_config(path), backend=DockerBackend(docker_client))
+    with pytest.raises(RewardLoadError, match=r"broken\.py:2: SyntaxError"):
+        sandboxes.start()
+    assert _containers_of(docker_client, os.getpid()) == []
+
+
+def test_sandbox_runtime_setting_reaches_the_engine(docker_sandboxes):
+    # runsc (gVisor) is not installable here; runc proves the setting is passed through to the engine.
+    s = docker_sandboxes([{"name": "r", "code": "def r(prompt, completion, example):\n    return 1.0\n"}],
+                         sandbox={"runtime": "runc"})
+    container = s.replicas["r"][0].sandbox.container
+    container.reload()
+    assert container.attrs["HostConfig"]["Runtime"] == "runc"
+    assert run(s["r"].client.score(build_samples(["p"], ["c"], {}))).values == [1.0]

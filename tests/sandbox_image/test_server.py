@@ -197,3 +197,33 @@ def test_health_reflection_and_describe_are_served(sandboxes):
     assert [f.name for f in described.functions] == ["behave"]
     assert described.functions[0].signature == "behave(prompt, completion, example)"
     assert any(p.lower().startswith("pebble==") for p in described.packages)
+
+
+def test_reload_during_a_batch_lets_the_old_version_finish_it(sandboxes, tmp_path):
+    import asyncio
+
+    from runtime.client import function_source
+
+    code = """
+    import time
+    def versioned(prompt, completion, example):
+        time.sleep(0.2)
+        return 1.0
+    """
+    s = sandboxes([{"name": "versioned", "code": code, "workers": 2}])
+    reward, replica = s["versioned"], s.replicas["versioned"][0]
+    spec = s.config.rewards[0]
+    path = s.config.source_path(spec)
+
+    async def main():
+        batch = asyncio.ensure_future(reward.client.score(build_samples(["p"] * 8, ["x"] * 8, {})))
+        await asyncio.sleep(0.3)
+        path.write_text("def versioned(prompt, completion, example):\n    return 2.0\n")
+        await asyncio.to_thread(replica.load, [function_source(spec, path)])
+        first = await batch
+        second = await reward.client.score(build_samples(["p"] * 4, ["x"] * 4, {}))
+        return first, second
+
+    first, second = run(main())
+    assert first.statuses == ["ok"] * 8 and first.values == [1.0] * 8
+    assert second.values == [2.0] * 4
