@@ -250,7 +250,7 @@ def build_offline_base(client: docker.DockerClient, tag: str = OFFLINE_BASE, sui
             if line.startswith(("I: Retrieving", "I: Base system installed", "I: Configuring python3")):
                 on_output(line.rstrip())
         if proc.wait() != 0:
-            raise ImageBuildError(f"debootstrap failed:\n" + "\n".join(lines[-15:]))
+            raise ImageBuildError("debootstrap failed:\n" + "\n".join(lines[-15:]))
         for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):
             shutil.rmtree(rootfs / junk, ignore_errors=True)
         tarball = Path(tmp) / "rootfs.tar"

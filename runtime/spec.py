@@ -175,6 +175,16 @@ def parse_config(data: Any, base_dir: Path, where: str = "config") -> RewardboxC
     return config
 
 
+def read_yaml_file(path: Path) -> Any:
+    """The parsed content of a config file. Raises ConfigError when it is missing or not YAML."""
+    try:
+        return yaml_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+
+
 def load_config(path: str | Path) -> RewardboxConfig:
     """Reads and validates a YAML config file.
 
@@ -182,10 +192,4 @@ def load_config(path: str | Path) -> RewardboxConfig:
         ConfigError: the file is missing, not YAML, or fails validation.
     """
     path = Path(path)
-    try:
-        data = yaml_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    return parse_config(data, path.resolve().parent, where=str(path))
+    return parse_config(read_yaml_file(path), path.resolve().parent, where=str(path))

@@ -10,9 +10,30 @@ from typing import Callable
 import pytest
 import yaml
 
-from runtime import RewardSandboxes, load_config
+from runtime import BackendError, RewardSandboxes, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+# Docker tests run against a real engine. A missing engine FAILS them (never skips): the README's test command
+# (scripts/test.sh) installs and starts one, and CI must prove the Docker backend works.
+@pytest.fixture(scope="session")
+def docker_client():
+    from runtime.backends.docker import engine_client
+
+    try:
+        return engine_client()
+    except BackendError as e:
+        pytest.fail(f"these tests need a running Docker engine; run `bash scripts/setup.sh`. {e}")
+
+
+@pytest.fixture(scope="session")
+def base_image(docker_client) -> str:
+    """The offline base (debootstrap + import), built once when missing: no registry is needed."""
+    from runtime.image import OFFLINE_BASE, ImageBuilder
+
+    ImageBuilder(docker_client).base_image_id(OFFLINE_BASE)
+    return OFFLINE_BASE
 
 
 @pytest.fixture

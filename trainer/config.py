@@ -12,7 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from runtime.errors import ConfigError
-from runtime.spec import RewardboxConfig, format_validation_error, parse_config, yaml_load
+from runtime.spec import RewardboxConfig, format_validation_error, parse_config, read_yaml_file, yaml_load
 
 BUILTIN_TINY = "builtin:tiny"
 
@@ -138,12 +138,7 @@ def parse_train_config(data: Any, base_dir: Path, where: str = "config") -> Trai
 def load_train_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
     """Reads the YAML file, applies overrides, validates. Raises ConfigError."""
     path = Path(path)
-    try:
-        data = yaml_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    data = read_yaml_file(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections")
     return parse_train_config(apply_overrides(data, overrides), path.resolve().parent, where=str(path))

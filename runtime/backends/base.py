@@ -6,9 +6,26 @@ Lifecycle calls are synchronous (subprocess and docker-py are); the async scorin
 
 from __future__ import annotations
 
+import os
 from typing import Protocol, Sequence, runtime_checkable
 
+from ..errors import BackendError
 from ..spec import RewardSpec, SandboxSettings
+
+
+def reward_environment(reward: RewardSpec) -> dict[str, str]:
+    """The environment a reward's sandboxes get: exactly its named host secrets, plus its plain ``env``.
+
+    Raises:
+        BackendError: a named secret is not set on the host.
+    """
+    environment = {}
+    for secret in reward.secrets:
+        if secret not in os.environ:
+            raise BackendError(f"reward {reward.name!r}: secret {secret!r} is not set in the environment; "
+                               f"export it or remove it from `secrets`")
+        environment[secret] = os.environ[secret]
+    return {**environment, **reward.env}
 
 
 @runtime_checkable

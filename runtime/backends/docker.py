@@ -26,6 +26,7 @@ import docker.errors
 from ..errors import BackendError
 from ..image import ImageBuilder
 from ..spec import RewardSpec, SandboxSettings
+from .base import reward_environment
 
 log = logging.getLogger("rewardbox")
 
@@ -170,13 +171,7 @@ class DockerBackend:
         image = self.images.get(tuple(sorted(reward.packages)))
         if image is None:
             raise BackendError(f"reward {reward.name!r}: no image was prepared for its packages")
-        environment = {}
-        for secret in reward.secrets:
-            if secret not in os.environ:
-                raise BackendError(f"reward {reward.name!r}: secret {secret!r} is not set in the environment; "
-                                   f"export it or remove it from `secrets`")
-            environment[secret] = os.environ[secret]
-        environment.update(reward.env)
+        environment = reward_environment(reward)
         socket_dir = tempfile.mkdtemp(prefix="rbx-")
         uid = os.getuid()
         run_kwargs = dict(

@@ -11,12 +11,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Optional, Sequence
 
 from ..errors import BackendError
 from ..spec import RewardSpec, SandboxSettings
+from .base import reward_environment
 
 log = logging.getLogger("rewardbox")
 
@@ -103,13 +103,7 @@ class LocalBackend:
 
     def create(self, reward: RewardSpec, replica: int, settings: SandboxSettings) -> LocalSandbox:
         env = {k: os.environ[k] for k in _BASE_ENV if k in os.environ}
-        for secret in reward.secrets:
-            if secret not in os.environ:
-                raise BackendError(f"reward {reward.name!r}: secret {secret!r} is not set in the environment; "
-                                   f"export it or remove it from `secrets`")
-            env[secret] = os.environ[secret]
-        env.update(reward.env)
-        return LocalSandbox(f"{reward.name}-{replica}", env)
+        return LocalSandbox(f"{reward.name}-{replica}", {**env, **reward_environment(reward)})
 
     def close(self) -> None:
         pass

@@ -5,27 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from runtime import BackendError, RewardSandboxes, load_config
-from runtime.backends.docker import DockerBackend, engine_client
-from runtime.image import OFFLINE_BASE, ImageBuilder
+from runtime import RewardSandboxes, load_config
+from runtime.backends.docker import DockerBackend
 from tests.conftest import no_sleep
-
-pytestmark = pytest.mark.docker
-
-
-@pytest.fixture(scope="session")
-def docker_client():
-    try:
-        return engine_client()
-    except BackendError as e:
-        pytest.fail(f"these tests need a running Docker engine; run `bash scripts/setup.sh`. {e}")
-
-
-@pytest.fixture(scope="session")
-def base_image(docker_client) -> str:
-    """The offline base (debootstrap + import), built once when missing: no registry is needed."""
-    ImageBuilder(docker_client).base_image_id(OFFLINE_BASE)
-    return OFFLINE_BASE
 
 
 @pytest.fixture

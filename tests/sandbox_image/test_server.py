@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import grpc
-import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from runtime import build_samples

@@ -9,10 +9,9 @@ import subprocess
 import sys
 
 from tests.conftest import ROOT
-from tests.docker.conftest import base_image, docker_client  # noqa: F401 - fixtures
 
 
-def test_two_ranks_train_with_their_own_sandboxes(tmp_path, base_image):  # noqa: F811
+def test_two_ranks_train_with_their_own_sandboxes(tmp_path, base_image):
     shutil.copytree(ROOT / "examples" / "quickstart", tmp_path / "quickstart")
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",

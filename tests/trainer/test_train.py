@@ -16,7 +16,6 @@ from transformers import TrainerCallback
 
 from runtime import ConfigError
 from runtime.backends.docker import DockerBackend
-from tests.docker.conftest import base_image, docker_client  # noqa: F401 - fixtures
 from trainer import load_train_config, train
 
 REWARDS = """
@@ -62,7 +61,7 @@ def reward_log(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "reward_logs.jsonl").read_text().splitlines()]
 
 
-def test_training_with_docker_sandboxes_end_to_end(tmp_path, docker_client, base_image):  # noqa: F811
+def test_training_with_docker_sandboxes_end_to_end(tmp_path, docker_client, base_image):
     source = write_reward(tmp_path, "rewards.py", REWARDS)
     path = write_training_config(tmp_path, base_image, [
         {"name": "shape", "source": source},
@@ -111,7 +110,7 @@ class EditRewardFile(TrainerCallback):
             self.path.write_text(textwrap.dedent(self.edits[state.global_step]))
 
 
-def test_editing_a_reward_file_mid_run_takes_effect_from_the_next_step(tmp_path, docker_client, base_image):  # noqa: F811
+def test_editing_a_reward_file_mid_run_takes_effect_from_the_next_step(tmp_path, docker_client, base_image):
     source = write_reward(tmp_path, "live.py", "def live(prompt, completion, example):\n    return 1.0\n")
     path = write_training_config(tmp_path, base_image, [{"name": "live", "source": source}], max_steps=5)
     edits = {
