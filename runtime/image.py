@@ -24,6 +24,8 @@ from typing import Callable, Optional, Sequence
 
 import docker
 import docker.errors
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .errors import ImageBuildError
 
@@ -33,6 +35,7 @@ IMAGE_REPO = "rewardbox-sandbox"
 OFFLINE_BASE_REPO = "rewardbox/base"
 OFFLINE_BASE = f"{OFFLINE_BASE_REPO}:bookworm"
 SERVER_DISTRIBUTIONS = ("grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "pebble")
+_STEP = re.compile(r"^Step (\d+)/(\d+) : (.*)")
 _SERVER_DIR = Path(__file__).resolve().parent.parent / "sandbox_image"
 _PROBE = (
     "import json, platform, sys; "
@@ -204,11 +207,20 @@ class ImageBuilder:
         stream = self.client.api.build(path=str(context), tag=tag, buildargs={"BASE": base_image}, rm=True,
                                        forcerm=True, decode=True, network_mode="none",
                                        labels={"rewardbox": "1"})
-        for chunk in stream:
-            if "error" in chunk:
-                raise ImageBuildError(f"building {tag} failed: {chunk['error'].strip()}")
-            line = chunk.get("stream", "").rstrip()
-            if line:
+        # A progress bar on a terminal; every line also goes to on_output (the log), terminal or not.
+        with Progress(TextColumn(f"[bold]{tag}"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("{task.description}"), TimeElapsedColumn(), console=Console(stderr=True),
+                      transient=True, disable=not sys.stderr.isatty()) as progress:
+            task = progress.add_task("starting", total=None)
+            for chunk in stream:
+                if "error" in chunk:
+                    raise ImageBuildError(f"building {tag} failed: {chunk['error'].strip()}")
+                line = chunk.get("stream", "").rstrip()
+                if not line:
+                    continue
+                step = _STEP.match(line)
+                if step:
+                    progress.update(task, completed=int(step[1]) - 1, total=int(step[2]), description=step[3][:60])
                 self.on_output(line)
 
 

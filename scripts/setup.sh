@@ -35,4 +35,6 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 fi
 log "installing rewardbox[train,dev]"
 "$PY" -m pip install -q -e ".[train,dev]"
+# The offline base image (Debian + python3 from Debian packages): no container registry is needed.
+log "base image: $(rewardbox base-image)"
 log "done"

@@ -78,10 +78,9 @@ def test_llm_judge_scores_through_the_network_with_its_secret_and_falls_back_wit
     assert all(auth == f"Bearer {API_KEY}" and path == "/v1/chat/completions"
                for path, auth, _ in FakeOpenAI.requests)
 
-    started = time.monotonic()
     offline = run(s["judge_offline"].client.score(samples))
+    # a connection error and its fallback, not a hang (a hang would read "timeout")
     assert offline.statuses == ["error", "error"]
     assert offline.values == [None, None]
     assert "APIConnectionError" in offline.errors[0]
-    assert time.monotonic() - started < 10  # a fallback, not a hang
     assert len(FakeOpenAI.requests) == 2  # nothing reached the endpoint

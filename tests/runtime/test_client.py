@@ -90,3 +90,33 @@ def test_a_batch_is_split_across_replicas_in_order(sandboxes):
     report = run(s["pid"].client.score(build_samples(["p"] * 10, completions, {})))
     assert report.values == [float(i) for i in range(10)]
     assert len(set(report.logs.split())) == 2  # two different servers' workers answered
+
+
+def test_a_local_sandbox_exits_when_the_process_that_started_it_is_killed(tmp_path, write_config):
+    import subprocess
+    import sys
+    import time
+
+    path = write_config([{"name": "r", "code": "def r(prompt, completion, example):\n    return 1.0\n"}])
+    script = (
+        "import sys, time\n"
+        "from runtime import RewardSandboxes, load_config\n"
+        f"s = RewardSandboxes(load_config({str(path)!r})); s.start()\n"
+        "print(s.replicas['r'][0].sandbox.pid(), flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    server_pid = int(owner.stdout.readline())
+    os.kill(server_pid, 0)  # running
+    owner.kill()  # SIGKILL: no cleanup code runs in the owner
+    owner.wait()
+    for _ in range(100):
+        try:
+            with open(f"/proc/{server_pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break  # exited; only not yet reaped by whoever inherited it
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"sandbox server {server_pid} outlived the process that started it")

@@ -32,7 +32,8 @@ def slow(prompt, completion, example):
 """
 
 
-def write_training_config(tmp_path: Path, base_image: str, rewards: list[dict], **grpo) -> Path:
+def write_training_config(tmp_path: Path, base_image: str, rewards: list[dict], top: dict | None = None,
+                          **grpo) -> Path:
     (tmp_path / "data.jsonl").write_text("".join(
         json.dumps({"question": f"What is {i} + 1?", "answer": i + 1, "slow": i % 2 == 0}) + "\n" for i in range(8)
     ))
@@ -45,6 +46,7 @@ def write_training_config(tmp_path: Path, base_image: str, rewards: list[dict], 
         "lora": {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"},
         "output_dir": str(tmp_path / "out"),
         "rewards": rewards,
+        **(top or {}),
     }
     path = tmp_path / "train.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -66,7 +68,7 @@ def test_training_with_docker_sandboxes_end_to_end(tmp_path, docker_client, base
     path = write_training_config(tmp_path, base_image, [
         {"name": "shape", "source": source},
         {"name": "slow", "source": source, "timeout_s": 0.5, "default_score": 0.0, "workers": 4},
-    ])
+    ], top={"save_merged": True})
     result = train(path, backend=DockerBackend(docker_client))
     out = result.output_dir
     history = [h for h in result.log_history if "rewards/shape/mean" in h]
@@ -94,6 +96,9 @@ def test_training_with_docker_sandboxes_end_to_end(tmp_path, docker_client, base
     assert lora_b and any(t.abs().sum() > 0 for t in lora_b)
     assert (out / "adapter_config.json").exists() and (out / "tokenizer.json").exists()
     assert (out / "rewards.png").stat().st_size > 1000
+    merged = out / "merged"
+    assert (merged / "model.safetensors").exists() and (merged / "tokenizer.json").exists()
+    assert not (merged / "adapter_config.json").exists()  # a plain model, the adapter folded in
     # and no container of this process is left
     mine = docker_client.containers.list(all=True, filters={"label": f"rewardbox.pid={os.getpid()}"})
     assert mine == []
