@@ -234,6 +234,8 @@ def train(
         raise fail(str(e)) from None
     except KeyboardInterrupt:
         raise fail("interrupted; all sandboxes were removed", code=130) from None
+    if not result.is_main_process:
+        return
     rewards = [h["reward"] for h in result.log_history if "reward" in h]
     if rewards:
         k = min(10, len(rewards))

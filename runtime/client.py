@@ -15,6 +15,7 @@ import asyncio
 import itertools
 import logging
 import math
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -76,6 +77,20 @@ def function_source(reward: RewardSpec, path: Path) -> pb.FunctionSource:
         concurrency=reward.concurrency,
         max_log_bytes=reward.max_log_bytes,
     )
+
+
+def _with_sibling_hint(message: str, functions: Sequence[pb.FunctionSource]) -> str:
+    """A missing module that is a file beside the reward on the host is not a package: say so."""
+    for name in re.findall(r"No module named '([\w.]+)'", message):
+        top = name.split(".")[0]
+        for f in functions:
+            folder = Path(f.filename).parent
+            if (folder / f"{top}.py").exists() or (folder / top / "__init__.py").exists():
+                message += (f"\n{top!r} is a module beside {f.filename} on the host, but a sandbox receives only "
+                            "the reward's own file: inline what it needs from there, or install it as a package "
+                            "through `packages`.")
+                break
+    return message
 
 
 class Replica:
@@ -152,7 +167,7 @@ class Replica:
             reply = self._control_stub().Load(pb.LoadRequest(functions=functions), timeout=self.start_timeout_s)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise RewardLoadError(e.details()) from None
+                raise RewardLoadError(_with_sibling_hint(e.details(), functions)) from None
             raise BackendError(f"sandbox {self.name}: Load failed: {e.code().name}: {e.details()}") from e
         by_name = {f.name: f for f in self.functions}
         by_name.update({f.name: f for f in functions})

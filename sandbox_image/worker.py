@@ -116,9 +116,12 @@ def load_module(config: _Config) -> types.ModuleType:
     except SyntaxError as e:
         raise LoadError(f"{config.filename}:{e.lineno}: SyntaxError: {e.msg}") from None
     except ModuleNotFoundError as e:
+        if os.environ.get("REWARDBOX_BACKEND") == "local":
+            fix = f"The local backend installs no packages: install it into {sys.executable}'s environment."
+        else:
+            fix = f"Add the package that provides it to `packages` of reward {config.name!r}."
         raise LoadError(
-            f"{_user_line(e, config.filename)}: ModuleNotFoundError: No module named {e.name!r}. "
-            f"Add the package that provides it to `packages` of reward {config.name!r}."
+            f"{_user_line(e, config.filename)}: ModuleNotFoundError: No module named {e.name!r}. {fix}"
         ) from None
     except BaseException as e:
         raise LoadError(f"{_user_line(e, config.filename)}: {type(e).__name__} while importing: {e}") from None

@@ -30,6 +30,7 @@ class TrainResult:
     output_dir: Path
     log_history: list = field(default_factory=list)
     trainer: Any = None
+    is_main_process: bool = True
 
 
 def load_datasets(section: DatasetSection, base_dir: Path):
@@ -173,6 +174,7 @@ def train(
                 merged = trainer.model.merge_and_unload()
                 merged.save_pretrained(str(output_dir / "merged"))
                 tokenizer.save_pretrained(str(output_dir / "merged"))
-        return TrainResult(output_dir=output_dir, log_history=trainer.state.log_history, trainer=trainer)
+        return TrainResult(output_dir=output_dir, log_history=trainer.state.log_history, trainer=trainer,
+                           is_main_process=state.is_main_process)
     finally:
         sandboxes.stop()

@@ -40,7 +40,7 @@ class LocalSandbox:
         state_dir = self._dir / "state"
         state_dir.mkdir(exist_ok=True)
         env = {**self._env, "PYTHONPATH": _PACKAGE_ROOT, "PYTHONUNBUFFERED": "1",
-               "REWARDBOX_STATE_DIR": str(state_dir)}
+               "REWARDBOX_STATE_DIR": str(state_dir), "REWARDBOX_BACKEND": "local"}
         with open(self._log_path, "ab") as out:
             try:
                 self._proc = subprocess.Popen(

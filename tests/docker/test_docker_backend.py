@@ -187,3 +187,13 @@ def test_sandbox_runtime_setting_reaches_the_engine(docker_sandboxes):
     container.reload()
     assert container.attrs["HostConfig"]["Runtime"] == "runc"
     assert run(s["r"].client.score(build_samples(["p"], ["c"], {}))).values == [1.0]
+
+
+def test_a_missing_module_in_docker_points_at_packages(write_config, docker_client, base_image):
+    from runtime import RewardLoadError, RewardSandboxes, load_config
+
+    path = write_config([{"name": "r", "code": "import emoji\ndef r(prompt, completion, example):\n    return 1.0\n"}],
+                        {"backend": "docker", "base_image": base_image})
+    with pytest.raises(RewardLoadError, match=r"r\.py:1: ModuleNotFoundError: No module named 'emoji'\. Add the "
+                                              r"package that provides it to `packages` of reward 'r'"):
+        RewardSandboxes(load_config(path), backend=DockerBackend(docker_client)).start()

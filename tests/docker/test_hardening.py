@@ -145,3 +145,12 @@ def test_container_settings_are_hardened(docker_sandboxes):
     mounts = container.attrs["Mounts"]
     assert len(mounts) == 1 and mounts[0]["Destination"] == "/run/rewardbox"
     assert container.labels["rewardbox.reward"] == "uid"
+
+
+def test_network_true_gets_the_bridge_network_and_still_publishes_no_port(docker_sandboxes):
+    s = docker_sandboxes([{"name": "uid", "code": PROBES, "network": True}])
+    container = s.replicas["uid"][0].sandbox.container
+    container.reload()
+    assert container.attrs["HostConfig"]["NetworkMode"] == "bridge"
+    assert container.attrs["HostConfig"]["PortBindings"] in (None, {})
+    assert container.attrs["NetworkSettings"]["Ports"] in (None, {})

@@ -41,7 +41,8 @@ def test_duplicate_names_are_rejected(write_config):
     [
         ("def ok(prompt, completion, example):\n    return 1.0 +\n", "sample", r"ok\.py:2: SyntaxError"),
         ("import not_a_real_package_xyz\n", "sample",
-         r"ok\.py:1: ModuleNotFoundError: No module named 'not_a_real_package_xyz'\. Add the package"),
+         r"ok\.py:1: ModuleNotFoundError: No module named 'not_a_real_package_xyz'\. The local backend installs no "
+         r"packages"),
         ("def other(prompt, completion, example):\n    return 1.0\n", "sample",
          r"no function 'ok'.*Callables defined there: other"),
         ("def ok(completions, **kwargs):\n    return [1.0]\n", "sample", r"ok\.py:1: .*does not fit style 'sample'"),
@@ -74,3 +75,14 @@ def test_yaml_reads_no_as_a_string_and_5e_minus_6_as_a_float():
 
     assert yaml_load("save_strategy: no\nlearning_rate: 5e-6\nflag: true\nn: 3\nname: on") == {
         "save_strategy": "no", "learning_rate": 5e-6, "flag": True, "n": 3, "name": "on"}
+
+
+def test_importing_a_sibling_file_says_the_sandbox_gets_only_the_reward_file(write_config, tmp_path):
+    path = write_config([{"name": "uses_helper",
+                          "code": "from helpers import parse\ndef uses_helper(prompt, completion, example):\n"
+                                  "    return parse(completion)\n"}])
+    (tmp_path / "rewards" / "helpers.py").write_text("def parse(text):\n    return 1.0\n")
+    with pytest.raises(RewardLoadError, match=r"(?s)uses_helper\.py:1: ModuleNotFoundError: No module named "
+                                              r"'helpers'\. The local backend installs no packages.*'helpers' is a "
+                                              r"module beside .* receives only the reward's own file"):
+        RewardSandboxes(load_config(path)).start()
