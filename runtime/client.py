@@ -187,8 +187,10 @@ class Replica:
             self.stop()
             raise
 
-    def recover(self, seen_generation: int) -> None:
-        """Brings the sandbox back after a transient failure: restart if it is not healthy, then reload.
+    def recover(self, seen_generation: int, reload: bool = False) -> None:
+        """Brings the sandbox back after a transient failure: restart it (and load the functions) if it is not
+        healthy; only reload when asked (the server said a function is not loaded). A healthy server that was
+        merely slow is left alone.
 
         Several callers may fail at once; only the first (by generation) acts.
         """
@@ -203,7 +205,9 @@ class Replica:
                 self.restarts += 1
                 self.sandbox.restart()
                 self.wait_healthy()
-            self.load()
+                reload = True
+            if reload:
+                self.load()
 
     @property
     def generation(self) -> int:
@@ -361,7 +365,7 @@ class RewardClient:
         except grpc.aio.AioRpcError as e:
             code = e.code()
             if code in TRANSIENT_CODES or code == grpc.StatusCode.FAILED_PRECONDITION:
-                await self._recover(replica, generation)
+                await self._recover(replica, generation, reload=code == grpc.StatusCode.FAILED_PRECONDITION)
                 raise TransientSandboxError(f"{replica.name}: {code.name}: {e.details()}", code) from None
             raise BackendError(f"reward {self.reward.name!r}: sandbox {replica.name} refused the request: "
                                f"{code.name}: {e.details()}") from e
@@ -373,8 +377,8 @@ class RewardClient:
         share.logs.append(reply.logs)
         share.workers_replaced += reply.metrics.workers_replaced
 
-    async def _recover(self, replica: Replica, generation: int) -> None:
+    async def _recover(self, replica: Replica, generation: int, reload: bool) -> None:
         try:
-            await asyncio.to_thread(replica.recover, generation)
+            await asyncio.to_thread(replica.recover, generation, reload)
         except Exception as e:  # noqa: BLE001 - a failed recovery is one more transient failure to retry
             log.warning("reward %s: recovering sandbox %s failed: %s", self.reward.name, replica.name, e)

@@ -60,6 +60,7 @@ class LocalSandbox:
         if proc is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
+                os.killpg(proc.pid, signal.SIGCONT)  # a stopped (frozen) server only sees SIGTERM once continued
             try:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:

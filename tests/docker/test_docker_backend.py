@@ -197,3 +197,31 @@ def test_a_missing_module_in_docker_points_at_packages(write_config, docker_clie
     with pytest.raises(RewardLoadError, match=r"r\.py:1: ModuleNotFoundError: No module named 'emoji'\. Add the "
                                               r"package that provides it to `packages` of reward 'r'"):
         RewardSandboxes(load_config(path), backend=DockerBackend(docker_client)).start()
+
+
+def test_a_frozen_container_is_replaced_after_the_deadline_and_no_sample_is_lost(docker_sandboxes):
+    code = """
+    import time
+    def slow(prompt, completion, example):
+        time.sleep(0.2)
+        return float(len(completion))
+    """
+    s = docker_sandboxes([{"name": "slow", "code": code, "workers": 2, "timeout_s": 1, "retries": 2}],
+                         sandbox={"rpc_grace_s": 1})
+    replica = s.replicas["slow"][0]
+    old = replica.sandbox.container
+
+    async def main():
+        async def freeze():
+            await asyncio.sleep(0.3)
+            await asyncio.to_thread(old.pause)  # alive but unreachable: no answer, no error
+        freezer = asyncio.ensure_future(freeze())
+        report = await s["slow"].client.score(build_samples(["p"] * 4, ["a", "bb", "ccc", "dddd"], {}))
+        await freezer
+        return report
+
+    report = run(main())
+    assert report.statuses == ["ok"] * 4 and report.values == [1.0, 2.0, 3.0, 4.0]
+    assert replica.restarts == 1 and replica.sandbox.container.id != old.id
+    with pytest.raises(docker.errors.NotFound):
+        old.reload()  # the frozen one was removed
