@@ -280,6 +280,7 @@ def _batch_outcomes(result: Any, n: int) -> list:
 def _run_sync(items: list, timeout_s: float, state: Optional[TrainerState], style: str) -> list:
     def timed(call: Callable[[], Any]) -> tuple:
         try:
+            signal.signal(signal.SIGALRM, _on_alarm)  # the user's code may have installed its own
             signal.setitimer(signal.ITIMER_REAL, timeout_s)
             try:
                 return call(), None
