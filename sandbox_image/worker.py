@@ -363,10 +363,16 @@ def _kill_leftover_children() -> None:
     me = os.getpid()
     try:
         tasks = os.listdir("/proc/self/task")
+    except OSError:  # no /proc
+        return
+    try:
         if not any(open(f"/proc/self/task/{t}/children").read().strip() for t in tasks):
             return
+    except OSError:
+        pass  # this kernel has no children files (CONFIG_PROC_CHILDREN): look through /proc below
+    try:
         entries = [e for e in os.listdir("/proc") if e.isdigit() and int(e) != me]
-    except OSError:  # no /proc, or no children files in this kernel
+    except OSError:
         return
     for entry in entries:
         try:
