@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import textwrap
 from pathlib import Path
 from typing import Callable
@@ -69,35 +68,32 @@ async def no_sleep(seconds: float) -> None:
 no_sleep.calls = []
 
 
-@pytest.fixture
-def sandboxes(write_config):
-    """sandboxes(rewards, sandbox=...) -> started RewardSandboxes (local backend), stopped after the test."""
+def started_sandboxes(write_config, sandbox_defaults: dict, backend_factory=lambda: None):
+    """Yields start(rewards, sandbox=None) -> started RewardSandboxes; stops every one of them afterwards."""
     started = []
 
     def start(rewards: list[dict], sandbox: dict | None = None) -> RewardSandboxes:
         no_sleep.calls = []
-        s = RewardSandboxes(load_config(write_config(rewards, sandbox)), sleep=no_sleep)
+        path = write_config(rewards, {**sandbox_defaults, **(sandbox or {})})
+        s = RewardSandboxes(load_config(path), backend=backend_factory(), sleep=no_sleep)
         s.start()
         started.append(s)
         return s
 
-    yield start
-    for s in started:
-        s.stop()
+    try:
+        yield start
+    finally:
+        for s in started:
+            s.stop()
+
+
+@pytest.fixture
+def sandboxes(write_config):
+    """sandboxes(rewards, sandbox=...) -> started RewardSandboxes (local backend), stopped after the test."""
+    yield from started_sandboxes(write_config, {"backend": "local"})
 
 
 def run(coro):
     import asyncio
 
     return asyncio.run(coro)
-
-
-def pids_alive(pids) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            os.kill(pid, 0)
-            alive.append(pid)
-        except ProcessLookupError:
-            pass
-    return alive

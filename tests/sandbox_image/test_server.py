@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
