@@ -4,8 +4,9 @@ dataset, GRPO and LoRA sections; see :mod:`trainer.config`)."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Mapping, Optional
 
 import yaml
 from packaging.requirements import InvalidRequirement, Requirement
@@ -46,6 +47,40 @@ def yaml_load(text: str):
     """Parses YAML text as YAML 1.2 reads it: yes/no/on/off are strings (TRL users write `save_strategy: no`),
     and 5e-6 is a float."""
     return yaml.load(text, Loader=_Yaml12BoolLoader)
+
+
+@dataclass(frozen=True)
+class Where:
+    """A place in the config file for error messages: ``file:line`` when the line of a key path is known."""
+
+    file: str = "config"
+    lines: Mapping[tuple, int] = field(default_factory=dict)
+    prefix: tuple = ()
+
+    def at(self, *path: Any) -> str:
+        """``file:line`` of the key path (or of its closest enclosing key), else ``file``."""
+        full = self.prefix + tuple(path)
+        while full and full not in self.lines:
+            full = full[:-1]
+        line = self.lines.get(full)
+        return f"{self.file}:{line}" if line else self.file
+
+    def section(self, *path: Any) -> "Where":
+        return replace(self, prefix=self.prefix + tuple(path))
+
+
+def _key_lines(node: Any, path: tuple = (), out: Optional[dict] = None) -> dict:
+    """Line numbers (1-based) of every key and list item in a composed YAML node tree, by key path."""
+    out = {} if out is None else out
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            out[path + (key.value,)] = key.start_mark.line + 1
+            _key_lines(value, path + (key.value,), out)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, value in enumerate(node.value):
+            out[path + (i,)] = value.start_mark.line + 1
+            _key_lines(value, path + (i,), out)
+    return out
 
 
 class _Strict(BaseModel):
@@ -109,6 +144,8 @@ class SandboxSettings(_Strict):
 class RewardboxConfig(_Strict):
     """The whole config file. Sections used only by training are typed in trainer.config and kept as-is here."""
 
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, arbitrary_types_allowed=True)
+
     sandbox: SandboxSettings = Field(default_factory=SandboxSettings)
     rewards: list[RewardSpec] = Field(min_length=1)
     model: Optional[dict[str, Any]] = None
@@ -118,6 +155,7 @@ class RewardboxConfig(_Strict):
     output_dir: Optional[str] = None
     save_merged: bool = Field(default=False, description="also save the LoRA-merged model (training)")
     base_dir: Path = Field(default=Path("."), exclude=True, description="directory sources are relative to")
+    where: Where = Field(default_factory=Where, exclude=True, description="the file and key lines, for errors")
 
     @model_validator(mode="after")
     def _unique_names(self) -> "RewardboxConfig":
@@ -139,46 +177,53 @@ def _location(loc: tuple) -> str:
     return out or "(top level)"
 
 
-def format_validation_error(err: ValidationError, where: str) -> str:
-    """One line per problem, each naming the key path and the fix."""
+def format_validation_error(err: ValidationError, where: Where) -> str:
+    """One line per problem, each naming the file, line, key path and the fix."""
     lines = []
     for e in err.errors():
-        key = _location(e["loc"])
+        loc = tuple(e["loc"])
+        key = _location(where.prefix + loc)
         if e["type"] == "extra_forbidden":
-            lines.append(f"{where}: unknown key {key!r}; check its spelling (see README 'Config reference')")
+            lines.append(f"{where.at(*loc)}: unknown key {key!r}; check its spelling (see README 'Config')")
         elif e["type"] == "missing":
-            lines.append(f"{where}: missing required key {key!r}")
+            lines.append(f"{where.at(*loc)}: missing required key {key!r}")
         else:
-            lines.append(f"{where}: {key}: {e['msg']} (got {e.get('input')!r})")
+            lines.append(f"{where.at(*loc)}: {key}: {e['msg']} (got {e.get('input')!r})")
     return "\n".join(lines)
 
 
-def parse_config(data: Any, base_dir: Path, where: str = "config") -> RewardboxConfig:
+def parse_config(data: Any, base_dir: Path, where: Where = Where()) -> RewardboxConfig:
     """Validates a config mapping and checks every reward's source file exists.
 
     Raises:
-        ConfigError: naming the key, or the reward and the file that is missing.
+        ConfigError: naming the file, line and key, or the reward and the file that is missing.
     """
     if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping with `sandbox:` and `rewards:`, got {type(data).__name__}")
+        raise ConfigError(f"{where.file}: expected a mapping with `sandbox:` and `rewards:`, got {type(data).__name__}")
     try:
         config = RewardboxConfig.model_validate({**data, "base_dir": base_dir})
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, where)) from None
-    for r in config.rewards:
+    config.where = where
+    for i, r in enumerate(config.rewards):
         path = config.source_path(r)
         if not path.is_file():
-            raise ConfigError(f"{where}: reward {r.name!r}: source file {path} does not exist (rewards[].source is "
-                              f"relative to the config file's directory {base_dir})")
-        if not re.match(r".*\.py$", path.name):
-            raise ConfigError(f"{where}: reward {r.name!r}: source {path} is not a .py file")
+            raise ConfigError(f"{where.at('rewards', i, 'source')}: reward {r.name!r}: source file {path} does not "
+                              f"exist (rewards[].source is relative to the config file's directory {base_dir})")
+        if path.suffix != ".py":
+            raise ConfigError(f"{where.at('rewards', i, 'source')}: reward {r.name!r}: source {path} is not a .py file")
     return config
 
 
-def read_yaml_file(path: Path) -> Any:
-    """The parsed content of a config file. Raises ConfigError when it is missing or not YAML."""
+def read_yaml_file(path: Path) -> tuple[Any, Where]:
+    """The parsed content of a config file and where each key is in it.
+
+    Raises:
+        ConfigError: the file is missing or not YAML.
+    """
     try:
-        return yaml_load(path.read_text())
+        text = path.read_text()
+        return yaml_load(text), Where(str(path), _key_lines(yaml.compose(text, Loader=_Yaml12BoolLoader)))
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except yaml.YAMLError as e:
@@ -192,4 +237,5 @@ def load_config(path: str | Path) -> RewardboxConfig:
         ConfigError: the file is missing, not YAML, or fails validation.
     """
     path = Path(path)
-    return parse_config(read_yaml_file(path), path.resolve().parent, where=str(path))
+    data, where = read_yaml_file(path)
+    return parse_config(data, path.resolve().parent, where)

@@ -12,7 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from runtime.errors import ConfigError
-from runtime.spec import RewardboxConfig, format_validation_error, parse_config, read_yaml_file, yaml_load
+from runtime.spec import RewardboxConfig, Where, format_validation_error, parse_config, read_yaml_file, yaml_load
 
 BUILTIN_TINY = "builtin:tiny"
 
@@ -57,6 +57,10 @@ class TrainConfig(BaseModel):
     def base_dir(self) -> Path:
         return self.rewards.base_dir
 
+    @property
+    def where(self) -> Where:
+        return self.rewards.where
+
 
 def _parse_value(text: str) -> Any:
     try:
@@ -96,40 +100,42 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
     return data
 
 
-def _check_fields(section: str, values: dict, cls: type, reserved: Sequence[str] = ()) -> None:
+def _check_fields(section: str, values: dict, cls: type, where: Where, reserved: Optional[dict] = None) -> None:
     fields = {f.name for f in dataclasses.fields(cls)}
     for key in values:
-        if key in reserved:
-            raise ConfigError(f"{section}.{key} is set by rewardbox ({reserved[key]}); remove it from the config")
+        if reserved and key in reserved:
+            raise ConfigError(f"{where.at(section, key)}: {section}.{key} is set by rewardbox ({reserved[key]}); "
+                              "remove it from the config")
         if key not in fields:
             close = difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"unknown key '{section}.{key}': not a {cls.__name__} field{hint}")
+            raise ConfigError(f"{where.at(section, key)}: unknown key '{section}.{key}': not a {cls.__name__} "
+                              f"field{hint}")
 
 
-def parse_train_config(data: Any, base_dir: Path, where: str = "config") -> TrainConfig:
-    """Validates every section. Raises ConfigError naming the key (or the reward file) at fault."""
+def parse_train_config(data: Any, base_dir: Path, where: Where = Where()) -> TrainConfig:
+    """Validates every section. Raises ConfigError naming the file, line and key (or the reward file) at fault."""
     rewards = parse_config(data, base_dir, where)
     if rewards.dataset is None:
-        raise ConfigError(f"{where}: missing required section 'dataset' (at least `dataset: {{path: ...}}`)")
+        raise ConfigError(f"{where.file}: missing required section 'dataset' (at least `dataset: {{path: ...}}`)")
     try:
         model = ModelSection.model_validate(rewards.model or {})
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, f"{where}: model")) from None
+        raise ConfigError(format_validation_error(e, where.section("model"))) from None
     try:
         dataset = DatasetSection.model_validate(rewards.dataset)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, f"{where}: dataset")) from None
+        raise ConfigError(format_validation_error(e, where.section("dataset"))) from None
     grpo = dict(rewards.grpo or {})
     from trl import GRPOConfig
 
-    _check_fields("grpo", grpo, GRPOConfig, reserved={"reward_weights": "from each reward's weight",
-                                                      "output_dir": "top-level output_dir"})
+    _check_fields("grpo", grpo, GRPOConfig, where, reserved={"reward_weights": "from each reward's weight",
+                                                             "output_dir": "top-level output_dir"})
     lora = rewards.lora
     if lora is not None:
         from peft import LoraConfig
 
-        _check_fields("lora", lora, LoraConfig)
+        _check_fields("lora", lora, LoraConfig, where)
     return TrainConfig(rewards=rewards, model=model, dataset=dataset, grpo=grpo, lora=lora,
                        output_dir=Path(rewards.output_dir or "outputs/rewardbox-grpo"),
                        save_merged=rewards.save_merged)
@@ -138,7 +144,7 @@ def parse_train_config(data: Any, base_dir: Path, where: str = "config") -> Trai
 def load_train_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
     """Reads the YAML file, applies overrides, validates. Raises ConfigError."""
     path = Path(path)
-    data = read_yaml_file(path)
+    data, where = read_yaml_file(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections")
-    return parse_train_config(apply_overrides(data, overrides), path.resolve().parent, where=str(path))
+    return parse_train_config(apply_overrides(data, overrides), path.resolve().parent, where)

@@ -14,6 +14,7 @@ from typing import Any, Optional, Sequence
 from runtime import ConfigError, RewardSandboxes
 from runtime.backends import Backend
 from runtime.image import default_cache_dir
+from runtime.spec import Where
 
 from .callbacks import RewardLog, RewardPlotCallback, RewardReloadCallback, plot_rewards
 from .config import BUILTIN_TINY, DatasetSection, ModelSection, TrainConfig, load_train_config
@@ -33,7 +34,7 @@ class TrainResult:
     is_main_process: bool = True
 
 
-def load_datasets(section: DatasetSection, base_dir: Path):
+def load_datasets(section: DatasetSection, base_dir: Path, where: Where = Where()):
     """The train (and optional eval) dataset with a ``prompt`` column; other columns are kept for rewards.
 
     Raises:
@@ -42,11 +43,11 @@ def load_datasets(section: DatasetSection, base_dir: Path):
     from datasets import load_dataset
 
     local = Path(section.path) if Path(section.path).is_absolute() else base_dir / section.path
-    where = f"dataset {section.path}"
     eval_ds = None
     if local.suffix in _LOCAL_FORMATS:
         if not local.is_file():
-            raise ConfigError(f"{where}: file {local} does not exist (dataset.path is relative to the config file)")
+            raise ConfigError(f"{where.at('dataset', 'path')}: dataset {section.path}: file {local} does not exist "
+                              "(dataset.path is relative to the config file)")
         ds = load_dataset(_LOCAL_FORMATS[local.suffix], data_files=str(local), split="train")
     else:
         ds = load_dataset(section.path, section.name, split=section.split)
@@ -59,14 +60,16 @@ def load_datasets(section: DatasetSection, base_dir: Path):
         columns = d.column_names
         if section.question_column:
             if section.question_column not in columns:
-                raise ConfigError(f"{where}: no column {section.question_column!r} for dataset.question_column "
+                raise ConfigError(f"{where.at('dataset', 'question_column')}: dataset {section.path} has no column "
+                                  f"{section.question_column!r} for dataset.question_column "
                                   f"(columns: {', '.join(columns)})")
             system = [{"role": "system", "content": section.system_prompt}] if section.system_prompt else []
             q = section.question_column
             return d.map(lambda row: {"prompt": [*system, {"role": "user", "content": str(row[q])}]})
         if section.prompt_column not in columns:
-            raise ConfigError(f"{where}: no column {section.prompt_column!r} for dataset.prompt_column (columns: "
-                              f"{', '.join(columns)}); name the prompt column, or set dataset.question_column")
+            raise ConfigError(f"{where.at('dataset', 'prompt_column')}: dataset {section.path} has no column "
+                              f"{section.prompt_column!r} for dataset.prompt_column (columns: {', '.join(columns)}); "
+                              "name the prompt column, or set dataset.question_column")
         if section.prompt_column != "prompt":
             d = d.remove_columns([c for c in ["prompt"] if c in columns]).rename_column(section.prompt_column, "prompt")
         return d
@@ -115,7 +118,7 @@ def grpo_args(cfg: TrainConfig):
         return GRPOConfig(output_dir=str(cfg.output_dir), reward_weights=[r.weight for r in cfg.rewards.rewards],
                           **{**defaults, **cfg.grpo})
     except (ValueError, TypeError) as e:
-        raise ConfigError(f"grpo: {e}") from None
+        raise ConfigError(f"{cfg.where.at('grpo')}: grpo: {e}") from None
 
 
 def train(
@@ -141,7 +144,7 @@ def train(
     cfg = config if isinstance(config, TrainConfig) else load_train_config(config, overrides)
     output_dir = cfg.output_dir
     args = grpo_args(cfg)
-    train_ds, eval_ds = load_datasets(cfg.dataset, cfg.base_dir)
+    train_ds, eval_ds = load_datasets(cfg.dataset, cfg.base_dir, cfg.where)
     state = PartialState()
     output_dir.mkdir(parents=True, exist_ok=True)
     sandboxes = RewardSandboxes(cfg.rewards, backend=backend)

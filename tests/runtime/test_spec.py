@@ -12,21 +12,25 @@ from runtime import ConfigError, RewardLoadError, RewardSandboxes, load_config
 OK = "def ok(prompt, completion, example):\n    return 1.0\n"
 
 
-def test_unknown_key_is_named(write_config):
+# write_config writes: sandbox (line 1), backend (2), rewards (3), then per reward: source (4), name (5), others
+
+
+def test_unknown_key_is_named_with_file_and_line(write_config):
     path = write_config([{"name": "ok", "code": OK, "timout_s": 3}])
-    with pytest.raises(ConfigError, match=r"unknown key 'rewards\[0\]\.timout_s'"):
+    with pytest.raises(ConfigError, match=r"rewardbox\.yaml:6: unknown key 'rewards\[0\]\.timout_s'"):
         load_config(path)
 
 
-def test_bad_value_is_named(write_config):
+def test_bad_value_is_named_with_file_and_line(write_config):
     path = write_config([{"name": "ok", "code": OK, "timeout_s": -1}])
-    with pytest.raises(ConfigError, match=r"rewards\[0\]\.timeout_s: Input should be greater than 0"):
+    with pytest.raises(ConfigError,
+                       match=r"rewardbox\.yaml:6: rewards\[0\]\.timeout_s: Input should be greater than 0"):
         load_config(path)
 
 
-def test_missing_source_file_is_named(write_config):
-    path = write_config([{"name": "ghost", "file": "ghost.py"}])
-    with pytest.raises(ConfigError, match=r"reward 'ghost': source file .*ghost\.py does not exist"):
+def test_missing_source_file_is_named_with_its_line(write_config):
+    path = write_config([{"name": "ok", "code": OK}, {"name": "ghost", "file": "ghost.py"}])
+    with pytest.raises(ConfigError, match=r"rewardbox\.yaml:6: reward 'ghost': source file .*ghost\.py does not exist"):
         load_config(path)
 
 

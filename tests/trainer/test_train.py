@@ -134,12 +134,14 @@ def test_editing_a_reward_file_mid_run_takes_effect_from_the_next_step(tmp_path,
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"grpo": {"max_stepz": 3}}, r"unknown key 'grpo\.max_stepz': not a GRPOConfig field; did you mean 'max_steps'"),
+        ({"grpo": {"max_stepz": 3}},
+         r"train\.yaml:\d+: unknown key 'grpo\.max_stepz': not a GRPOConfig field; did you mean 'max_steps'"),
         ({"lora": {"rank": 4}}, r"unknown key 'lora\.rank': not a LoraConfig field"),
         ({"modell": {}}, r"unknown key 'modell'"),
         ({"rewards": [{"name": "gone", "source": "rewards/gone.py"}]}, r"reward 'gone': source file .* does not exist"),
         ({"dataset": {"path": "data.jsonl", "question_column": "questoin"}},
-         r"no column 'questoin' for dataset\.question_column \(columns: question, answer, slow\)"),
+         r"train\.yaml:\d+: dataset data\.jsonl has no column 'questoin' for dataset\.question_column "
+         r"\(columns: question, answer, slow\)"),
         ({"dataset": {"path": "missing.jsonl"}}, r"dataset missing\.jsonl: file .* does not exist"),
     ],
 )
