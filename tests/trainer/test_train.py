@@ -16,6 +16,7 @@ from transformers import TrainerCallback
 
 from runtime import ConfigError
 from runtime.backends.docker import DockerBackend
+from tests.conftest import ROOT
 from trainer import load_train_config, train
 
 REWARDS = """
@@ -173,3 +174,43 @@ def test_command_line_overrides_in_trl_style(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "did you mean 'max_steps'" in proc.stderr
+
+
+def _my_containers(docker_client, pid: int) -> list:
+    return docker_client.containers.list(all=True, filters={"label": f"rewardbox.pid={pid}"})
+
+
+def test_ctrl_c_during_training_removes_every_container(tmp_path, docker_client, base_image):
+    import shutil
+    import signal
+    import time
+
+    shutil.copytree(ROOT / "examples" / "quickstart", tmp_path / "quickstart")
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", str(tmp_path / "quickstart" / "config.yaml"),
+                             "--grpo.max_steps", "5000", "--output_dir", str(tmp_path / "out"),
+                             "--sandbox.base_image", base_image],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "out" / "reward_logs.jsonl").exists() or not (tmp_path / "out" / "reward_logs.jsonl").read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, "training did not start scoring"
+        time.sleep(0.2)
+    assert len(_my_containers(docker_client, proc.pid)) == 3  # training is under way
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert "interrupted; all sandboxes were removed" in stderr
+    assert _my_containers(docker_client, proc.pid) == []
+
+
+class FailAtStep(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            raise RuntimeError("boom in a callback")
+
+
+def test_an_error_during_training_removes_every_container(tmp_path, docker_client, base_image):
+    source = write_reward(tmp_path, "ok.py", "def ok(prompt, completion, example):\n    return 1.0\n")
+    path = write_training_config(tmp_path, base_image, [{"name": "ok", "source": source, "replicas": 2}])
+    with pytest.raises(RuntimeError, match="boom in a callback"):
+        train(path, backend=DockerBackend(docker_client), callbacks=[FailAtStep()])
+    assert _my_containers(docker_client, os.getpid()) == []
