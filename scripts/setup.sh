@@ -11,6 +11,7 @@ as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 need_apt=()
 command -v dockerd >/dev/null 2>&1 || need_apt+=(docker.io)
 command -v debootstrap >/dev/null 2>&1 || need_apt+=(debootstrap)
+command -v runsc >/dev/null 2>&1 || need_apt+=(runsc)  # gVisor, for `sandbox.runtime: runsc`
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "installing ${need_apt[*]} from Debian packages"
   as_root apt-get update -qq
@@ -18,8 +19,10 @@ if [ ${#need_apt[@]} -gt 0 ]; then
 fi
 
 if ! docker info >/dev/null 2>&1; then
-  log "starting the Docker engine"
-  as_root sh -c 'nohup dockerd >/var/log/rewardbox-dockerd.log 2>&1 &'
+  # Started here, the engine also gets the gVisor runtime (scripts/dockerd.json). An engine that is already
+  # running is left as it is: register runsc in its daemon.json to use `sandbox.runtime: runsc` there.
+  log "starting the Docker engine (with the runsc runtime)"
+  as_root sh -c "nohup dockerd --config-file '$PWD/scripts/dockerd.json' >/var/log/rewardbox-dockerd.log 2>&1 &"
   for _ in $(seq 1 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
   if ! docker info >/dev/null 2>&1; then
     echo "setup: the Docker engine did not start; see /var/log/rewardbox-dockerd.log" >&2

@@ -179,26 +179,6 @@ def test_a_reward_that_fails_to_load_leaves_no_container(write_config, docker_cl
     assert _containers_of(docker_client, os.getpid()) == []
 
 
-def test_sandbox_runtime_setting_reaches_the_engine(docker_sandboxes):
-    # runsc (gVisor) is not installable here; runc proves the setting is passed through to the engine.
-    s = docker_sandboxes([{"name": "r", "code": "def r(prompt, completion, example):\n    return 1.0\n"}],
-                         sandbox={"runtime": "runc"})
-    container = s.replicas["r"][0].sandbox.container
-    container.reload()
-    assert container.attrs["HostConfig"]["Runtime"] == "runc"
-    assert run(s["r"].client.score(build_samples(["p"], ["c"], {}))).values == [1.0]
-
-
-def test_a_missing_module_in_docker_points_at_packages(write_config, docker_client, base_image):
-    from runtime import RewardLoadError, RewardSandboxes, load_config
-
-    path = write_config([{"name": "r", "code": "import emoji\ndef r(prompt, completion, example):\n    return 1.0\n"}],
-                        {"backend": "docker", "base_image": base_image})
-    with pytest.raises(RewardLoadError, match=r"r\.py:1: ModuleNotFoundError: No module named 'emoji'\. Add the "
-                                              r"package that provides it to `packages` of reward 'r'"):
-        RewardSandboxes(load_config(path), backend=DockerBackend(docker_client)).start()
-
-
 def test_a_frozen_container_is_replaced_after_the_deadline_and_no_sample_is_lost(docker_sandboxes):
     code = """
     import time
