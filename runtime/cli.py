@@ -269,6 +269,25 @@ def bench(
 
 
 @app.command()
+def clean(
+    images: bool = typer.Option(False, "--images", help="also remove sandbox images no container uses"),
+) -> None:
+    """Remove containers left by runs whose process is gone (and, with --images, unused sandbox images)."""
+    _setup_logging(False)
+    from .backends.docker import engine_client, prune_images, remove_leftovers
+
+    try:
+        client = engine_client()
+    except RewardboxError as e:
+        raise fail(str(e)) from None
+    containers = remove_leftovers(client)
+    out_console.print(f"removed {len(containers)} leftover container(s)")
+    if images:
+        tags = prune_images(client)
+        out_console.print(f"removed {len(tags)} unused sandbox image(s){': ' + ', '.join(tags) if tags else ''}")
+
+
+@app.command()
 def serve(
     listen: str = typer.Option("unix:///tmp/rewardbox.sock", help="unix:///path.sock or host:port"),
 ) -> None:

@@ -84,6 +84,23 @@ def remove_leftovers(client: docker.DockerClient, keep_run: Optional[str] = None
     return removed
 
 
+def prune_images(client: docker.DockerClient) -> list[str]:
+    """Removes sandbox images (``rewardbox-sandbox:*``) that no container uses. Returns their tags."""
+    from ..image import IMAGE_REPO
+
+    in_use = {c.image.id for c in client.containers.list(all=True) if c.image is not None}
+    removed = []
+    for image in client.images.list(name=IMAGE_REPO):
+        if image.id in in_use:
+            continue
+        for tag in image.tags:
+            if tag.startswith(IMAGE_REPO + ":"):
+                with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
+                    client.images.remove(tag, noprune=False)
+                    removed.append(tag)
+    return removed
+
+
 class DockerSandbox:
     def __init__(self, client: docker.DockerClient, name: str, run_kwargs: dict):
         self.name = name

@@ -205,3 +205,17 @@ def test_a_frozen_container_is_replaced_after_the_deadline_and_no_sample_is_lost
     assert replica.restarts == 1 and replica.sandbox.container.id != old.id
     with pytest.raises(docker.errors.NotFound):
         old.reload()  # the frozen one was removed
+
+
+def test_clean_removes_unused_sandbox_images_and_keeps_those_in_use(docker_sandboxes, docker_client, base_image):
+    s = docker_sandboxes([{"name": "r", "code": "def r(prompt, completion, example):\n    return 1.0\n"}])
+    in_use = s.replicas["r"][0].sandbox.container.image.tags
+    docker_client.images.get(base_image).tag("rewardbox-sandbox", "unused-by-test")
+    proc = subprocess.run([sys.executable, "-m", "runtime.cli", "clean", "--images"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "rewardbox-sandbox:unused-by-test" in proc.stdout
+    with pytest.raises(docker.errors.ImageNotFound):
+        docker_client.images.get("rewardbox-sandbox:unused-by-test")
+    for tag in in_use:
+        docker_client.images.get(tag)  # still there: a container uses it
