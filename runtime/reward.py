@@ -39,7 +39,8 @@ class SandboxedReward:
     Call it as TRL does: ``await reward(prompts=..., completions=..., **columns, trainer_state=..., log_metric=...)``.
     Returns one float (or None, where ``default_score`` is null or the function returned None) per completion, in
     order. Never raises for reward or sandbox failures; those become fallbacks, counted through ``log_metric`` as
-    ``sandbox/<name>/{fallback,error,timeout,crash,invalid,unavailable}_rate`` and ``sandbox/<name>/latency_s``.
+    ``sandbox/<name>/{fallback,error,timeout,crash,invalid,unavailable}_rate``, with ``latency_s``, ``attempts``
+    (RPC attempts for the batch), ``restarts_total`` (sandbox restarts so far) and ``workers_replaced``.
     """
 
     def __init__(self, client: RewardClient):
@@ -88,6 +89,10 @@ class SandboxedReward:
             for status in STATUSES:
                 log_metric(f"{prefix}/{status}_rate", report.count(status) / n)
             log_metric(f"{prefix}/latency_s", report.latency_s)
+            # Recoveries that succeeded leave no fallback behind; these show a sandbox that needed them.
+            log_metric(f"{prefix}/attempts", float(report.attempts))
+            log_metric(f"{prefix}/restarts_total", float(report.restarts))
+            log_metric(f"{prefix}/workers_replaced", float(report.workers_replaced))
         if report.fallbacks:
             first = next((e for e in report.errors if e), "")
             log.warning("reward %s: %d/%d samples fell back to %r (%s). First error: %s", self.__name__,

@@ -44,6 +44,8 @@ class RewardLog:
             "mean": sum(scored) / len(scored) if scored else None,
             "statuses": {s: report.count(s) for s in STATUSES if report.count(s)},
             "latency_s": round(report.latency_s, 4),
+            "attempts": report.attempts,
+            "workers_replaced": report.workers_replaced,
             "logs": report.logs,
         })
 

@@ -87,7 +87,9 @@ def test_training_with_docker_sandboxes_end_to_end(tmp_path, docker_client, base
     assert sum(r["statuses"].get("timeout", 0) for r in slow) > 0
     assert sum(r["statuses"].get("ok", 0) for r in slow) > 0  # the other samples kept their real scores
     assert any(h["sandbox/slow/timeout_rate"] > 0 for h in history)
+    assert sum(h["sandbox/slow/workers_replaced"] for h in history) == 0  # soft timeouts: no worker was killed
     for h in history:
+        assert h["sandbox/slow/attempts"] == 1 and h["sandbox/slow/restarts_total"] == 0
         assert h["sandbox/slow/fallback_rate"] == h["sandbox/slow/timeout_rate"]
         assert h["rewards/slow/mean"] == pytest.approx(1.0 - h["sandbox/slow/timeout_rate"])
 
