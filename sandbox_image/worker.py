@@ -218,7 +218,7 @@ class _BoundedWriter(io.TextIOBase):
 def _check(value: Any) -> Outcome:
     if value is None:
         return None, OK, ""
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+    if isinstance(value, numbers.Real):  # int, bool (1.0/0.0, as TRL takes them), numpy scalars
         f = float(value)
         if math.isfinite(f):
             return f, OK, ""

@@ -41,6 +41,8 @@ def behave(prompt, completion, example):
         return 2.0
     if completion == "none":
         return None
+    if completion == "bool":
+        return completion == "bool"
     return float(len(completion))
 """
 
@@ -64,7 +66,7 @@ def score(sandboxes, name, completions, prompts=None, columns=None, state=None):
 
 def test_each_failure_gets_its_status_and_fallback_while_other_samples_keep_real_scores(sandboxes):
     s = sandboxes([{"name": "behave", "code": BEHAVIOURS, "timeout_s": 1.0, "default_score": -1.0, "workers": 2}])
-    completions = ["ab", *EXPECTED, "abcd", "print_mb", "none"]
+    completions = ["ab", *EXPECTED, "abcd", "print_mb", "none", "bool"]
     report = score(s, "behave", completions)
     by_completion = dict(zip(completions, zip(report.values, report.statuses, report.errors)))
     for completion, status in EXPECTED.items():
@@ -76,6 +78,7 @@ def test_each_failure_gets_its_status_and_fallback_while_other_samples_keep_real
     assert by_completion["abcd"][:2] == (4.0, "ok")
     assert by_completion["print_mb"][:2] == (2.0, "ok")
     assert by_completion["none"][:2] == (None, "ok")
+    assert by_completion["bool"][:2] == (1.0, "ok")  # as TRL itself takes a bool
     assert "ValueError: bad completion" in by_completion["raise"][2]
     assert "SystemExit(3)" in by_completion["exit"][2]
     assert "SIGSEGV" in by_completion["segfault"][2]
