@@ -87,8 +87,8 @@ def _with_sibling_hint(message: str, functions: Sequence[pb.FunctionSource]) -> 
             folder = Path(f.filename).parent
             if (folder / f"{top}.py").exists() or (folder / top / "__init__.py").exists():
                 message += (f"\n{top!r} is a module beside {f.filename} on the host, but a sandbox receives only "
-                            "the reward's own file: inline what it needs from there, or install it as a package "
-                            "through `packages`.")
+                            "the reward's own file: inline what it needs, or make it a package (a folder with a "
+                            "pyproject.toml) and list that folder in `packages`, e.g. `packages: [./my_helpers]`.")
                 break
     return message
 

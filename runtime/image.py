@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .errors import ImageBuildError
+from .spec import is_local_package
 
 log = logging.getLogger("rewardbox")
 
@@ -81,6 +82,28 @@ class ImageTarget:
     def describe(self) -> str:
         libc = "-".join(self.libc) if self.libc and self.libc[0] else "non-glibc"
         return f"Python {self.python} on {self.machine} ({libc})"
+
+
+_NOT_CONTENT = {"__pycache__", ".git", "build", "dist", ".venv", ".mypy_cache", ".pytest_cache"}
+
+
+def _tree_digest(path: Path) -> str:
+    """sha256 over a folder's files (names and bytes), or a file's bytes."""
+    h = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(
+        p for p in path.rglob("*")
+        if p.is_file() and not _NOT_CONTENT.intersection(p.relative_to(path).parts)
+        and not any(part.endswith(".egg-info") for part in p.relative_to(path).parts)
+    )
+    for f in files:
+        h.update(str(f.relative_to(path) if f != path else f.name).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def _content_keys(packages: Sequence[str]) -> list[str]:
+    """What identifies each package's content: a local folder by a digest of its files, so an edit rebuilds."""
+    return [f"{p}@sha256:{_tree_digest(Path(p).expanduser())}" if is_local_package(p) else p for p in packages]
 
 
 def _server_files() -> list[Path]:
@@ -152,7 +175,8 @@ class ImageBuilder:
     # -- sandbox image ------------------------------------------------------------------------------------------
     def tag_for(self, base_image: str, packages: Sequence[str], pip_args: Sequence[str] = ()) -> str:
         base_id = self.base_image_id(base_image)
-        digest = content_hash(base_id, self.target(base_image), [*server_requirements(), *packages], pip_args)
+        digest = content_hash(base_id, self.target(base_image), [*server_requirements(), *_content_keys(packages)],
+                              pip_args)
         return f"{IMAGE_REPO}:{digest[:20]}"
 
     def ensure(self, base_image: str, packages: Sequence[str], pip_args: Sequence[str] = (),
@@ -181,25 +205,55 @@ class ImageBuilder:
 
     def _wheelhouse(self, target: ImageTarget, packages: list[str], pip_args: list[str], dest: Path,
                     owners: Sequence[str]) -> None:
-        requirements = [*server_requirements(), *packages]
-        key = hashlib.sha256(json.dumps([asdict(target), sorted(requirements), pip_args]).encode()).hexdigest()[:20]
+        remote = [*server_requirements(), *(p for p in packages if not is_local_package(p))]
+        local = [p for p in packages if is_local_package(p)]
+        key_material = [asdict(target), sorted(remote), sorted(_content_keys(local)), pip_args]
+        key = hashlib.sha256(json.dumps(key_material).encode()).hexdigest()[:20]
         cached = self.cache_dir / "wheelhouse" / key
         if not (cached / ".complete").exists():
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
             staging = Path(tempfile.mkdtemp(prefix="wheels-", dir=self.cache_dir))
-            self.on_output(f"downloading wheels for {target.describe()}: {', '.join(requirements)} and pip")
-            cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--quiet",
-                   "--only-binary=:all:", "--dest", str(staging), *target.pip_platform_args(), *pip_args,
-                   *requirements, "pip"]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
+            try:
+                built = [self._local_wheel(p, staging, owners) for p in local]
+                self.on_output(f"downloading wheels for {target.describe()}: {', '.join(remote + local)} and pip")
+                cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--quiet",
+                       "--only-binary=:all:", "--dest", str(staging), *target.pip_platform_args(), *pip_args,
+                       *remote, *map(str, built), "pip"]
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    raise ImageBuildError(_explain_pip_failure(proc.stderr, packages, owners, target))
+                # Local packages are installed by their distribution names, found among the wheels.
+                names = [w.name.split("-")[0] for w in built]
+                (staging / "requirements.txt").write_text("".join(r + "\n" for r in [*remote, *names]))
+                (staging / ".complete").touch()
+            except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
-                raise ImageBuildError(_explain_pip_failure(proc.stderr, packages, owners, target))
-            (staging / "requirements.txt").write_text("".join(r + "\n" for r in requirements))
-            (staging / ".complete").touch()
+                raise
             shutil.rmtree(cached, ignore_errors=True)
             cached.parent.mkdir(parents=True, exist_ok=True)
             staging.rename(cached)
         shutil.copytree(cached, dest, ignore=shutil.ignore_patterns(".complete"))
+
+    def _local_wheel(self, package: str, staging: Path, owners: Sequence[str]) -> Path:
+        """A wheel of a local folder (built on the host, without its dependencies) or the local wheel itself.
+
+        Raises:
+            ImageBuildError: the folder is not a Python project pip can build (with pip's last lines).
+        """
+        path = Path(package).expanduser()
+        if path.is_file() and path.suffix == ".whl":
+            return Path(shutil.copy(path, staging))
+        before = set(staging.glob("*.whl"))
+        self.on_output(f"building a wheel of {path}")
+        proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--disable-pip-version-check", "--quiet",
+                               "--no-deps", "--wheel-dir", str(staging), str(path)], capture_output=True, text=True)
+        new = sorted(set(staging.glob("*.whl")) - before)
+        if proc.returncode != 0 or not new:
+            tail = "\n".join(proc.stderr.strip().splitlines()[-8:])
+            who = f" (needed by reward {', '.join(repr(o) for o in owners)})" if owners else ""
+            raise ImageBuildError(f"local package {path}{who} could not be built into a wheel; it needs a "
+                                  f"pyproject.toml or setup.py. pip said:\n{tail}")
+        return new[0]
 
     def _build(self, context: Path, tag: str, base_image: str) -> None:
         self.engine_builds += 1

@@ -26,6 +26,11 @@ from .errors import ConfigError
 _NAME = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
 
 
+def is_local_package(package: str) -> bool:
+    """A `packages` entry that is a folder (or wheel file) on the host rather than a requirement string."""
+    return package.startswith((".", "/", "~"))
+
+
 class _Yaml12BoolLoader(yaml.SafeLoader):
     """SafeLoader where only true/false are booleans (YAML 1.2): `save_strategy: no` stays the string 'no'."""
 
@@ -94,7 +99,7 @@ class RewardSpec(_Strict):
     source: Path = Field(description="Python file, relative to the config file")
     function: Optional[str] = Field(default=None, description="attribute to call; default: name")
     style: Literal["sample", "batch"] = "sample"
-    packages: list[str] = Field(default_factory=list, description="pip requirement strings")
+    packages: list[str] = Field(default_factory=list, description="pip requirement strings, or local folders/wheels")
     timeout_s: PositiveFloat = Field(default=5.0, description="per sample (sample style) or per call (batch)")
     retries: int = Field(default=3, ge=0, description="retries of transient sandbox failures")
     default_score: Optional[float] = Field(default=0.0, description="fallback score; null gives None")
@@ -114,6 +119,8 @@ class RewardSpec(_Strict):
     @classmethod
     def _requirements_parse(cls, packages: list[str]) -> list[str]:
         for p in packages:
+            if is_local_package(p):  # resolved against the config file's folder in parse_config
+                continue
             try:
                 Requirement(p)
             except InvalidRequirement as e:
@@ -212,6 +219,17 @@ def parse_config(data: Any, base_dir: Path, where: Where = Where()) -> Rewardbox
                               f"exist (rewards[].source is relative to the config file's directory {base_dir})")
         if path.suffix != ".py":
             raise ConfigError(f"{where.at('rewards', i, 'source')}: reward {r.name!r}: source {path} is not a .py file")
+        resolved = []
+        for j, package in enumerate(r.packages):
+            if is_local_package(package):
+                local = Path(package).expanduser()
+                local = local if local.is_absolute() else (base_dir / local).resolve()
+                if not local.exists():
+                    raise ConfigError(f"{where.at('rewards', i, 'packages', j)}: reward {r.name!r}: local package "
+                                      f"{local} does not exist (a path in `packages` is relative to the config file)")
+                package = str(local)
+            resolved.append(package)
+        r.packages = resolved
     return config
 
 

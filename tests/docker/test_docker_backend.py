@@ -219,3 +219,39 @@ def test_clean_removes_unused_sandbox_images_and_keeps_those_in_use(docker_sandb
         docker_client.images.get("rewardbox-sandbox:unused-by-test")
     for tag in in_use:
         docker_client.images.get(tag)  # still there: a container uses it
+
+
+def _helper_package(root, body: str):
+    (root / "rbx_helpers_pkg" / "rbx_helpers").mkdir(parents=True, exist_ok=True)
+    (root / "rbx_helpers_pkg" / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools>=68"]\nbuild-backend = "setuptools.build_meta"\n'
+        '[project]\nname = "rbx-helpers"\nversion = "0.1.0"\ndependencies = ["emoji>=2"]\n')
+    (root / "rbx_helpers_pkg" / "rbx_helpers" / "__init__.py").write_text(body)
+
+
+def test_a_local_helper_package_in_packages_is_built_and_installed(docker_sandboxes, docker_client, tmp_path):
+    _helper_package(tmp_path, "import emoji\ndef count(text):\n    return float(emoji.emoji_count(text))\n")
+    code = """
+    from rbx_helpers import count
+    def uses_helper(prompt, completion, example):
+        return count(completion)
+    """
+    s = docker_sandboxes([{"name": "uses_helper", "code": code, "packages": ["./rbx_helpers_pkg"]}])
+    report = run(s["uses_helper"].client.score(build_samples(["p"], ["two \U0001F600\U0001F600"], {})))
+    assert report.statuses == ["ok"] and report.values == [2.0]
+    first_tag = s.replicas["uses_helper"][0].sandbox.container.image.tags
+
+    # editing the helper is a new image, not a stale cache hit
+    _helper_package(tmp_path, "def count(text):\n    return 7.0\n")
+    s2 = docker_sandboxes([{"name": "uses_helper", "code": code, "packages": ["./rbx_helpers_pkg"]}])
+    assert run(s2["uses_helper"].client.score(build_samples(["p"], ["x"], {}))).values == [7.0]
+    assert s2.replicas["uses_helper"][0].sandbox.container.image.tags != first_tag
+
+
+def test_a_missing_local_package_is_named_with_its_line(write_config):
+    from runtime import ConfigError, load_config
+
+    path = write_config([{"name": "r", "code": "def r(prompt, completion, example):\n    return 1.0\n",
+                          "packages": ["./not_there"]}])
+    with pytest.raises(ConfigError, match=r"rewardbox\.yaml:\d+: reward 'r': local package .*not_there does not exist"):
+        load_config(path)
