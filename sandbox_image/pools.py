@@ -104,12 +104,18 @@ class FunctionPool:
         )
 
     async def describe(self, timeout_s: float = 60.0) -> dict:
-        """Imports the module in a worker and checks the function. Raises worker.LoadError when unusable."""
+        """Checks the function as a worker loaded it (workers import in their initializer, before any task).
+
+        Raises:
+            worker.LoadError: the module or function cannot be used, or importing outlasted timeout_s.
+        """
         future = self.pool.schedule(worker.describe_task, timeout=timeout_s)
         try:
-            self.info = await asyncio.wrap_future(future)
-        except FutureTimeout:
-            raise worker.LoadError(f"{self.filename}: importing took longer than {timeout_s:g}s") from None
+            # The bound covers the initializer's import too, which pebble's task timeout does not.
+            self.info = await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+        except (FutureTimeout, asyncio.TimeoutError):
+            raise worker.LoadError(f"{self.filename}: importing took longer than {timeout_s:.0f}s; a slow import "
+                                   "needs a larger sandbox.start_timeout_s") from None
         except ProcessExpired as e:
             raise worker.LoadError(f"{self.filename}: the worker died while importing (exit code {e.exitcode})")
         return self.info

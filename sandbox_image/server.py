@@ -87,7 +87,10 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
                     max_log_bytes=fn.max_log_bytes,
                 )
                 started.append(fp)
-            described = await asyncio.gather(*(fp.describe() for fp in started), return_exceptions=True)
+            # Importing may take as long as the caller's deadline allows (a model loaded at module level).
+            remaining = context.time_remaining()
+            budget = max(1.0, remaining - 1.0) if remaining is not None else 60.0
+            described = await asyncio.gather(*(fp.describe(budget) for fp in started), return_exceptions=True)
             for fp, outcome in zip(started, described):
                 if isinstance(outcome, BaseException):
                     errors.append(str(outcome) if isinstance(outcome, worker.LoadError) else repr(outcome))

@@ -69,11 +69,13 @@ class _Config:
 
 
 _CONFIG: Optional[_Config] = None
-_LOADED: Optional[tuple] = None  # (fn, is_async, accepted keywords, accepts **kwargs)
+_LOADED: Optional[tuple] = None  # (fn, is_async, accepted keywords, accepts **kwargs, signature text)
+_LOAD_ERROR: Optional[LoadError] = None
 
 
 def init_worker(config: dict) -> None:
-    """Pool initializer: remembers the function to serve. Cannot fail; loading happens on first use."""
+    """Pool initializer: imports the reward module in every worker before it takes a task, so that a slow import
+    never counts against a call's timeout. Never raises: an import error is kept and reported on use."""
     global _CONFIG
     _CONFIG = _Config(**config)
     # A process group of our own lets the server kill whatever this worker forked once the worker is gone.
@@ -83,6 +85,8 @@ def init_worker(config: dict) -> None:
         with contextlib.suppress(OSError):
             open(os.path.join(_CONFIG.registry_dir, str(os.getpid())), "w").close()
     signal.signal(signal.SIGALRM, _on_alarm)
+    with contextlib.suppress(LoadError):
+        _loaded()
 
 
 def _on_alarm(signum, frame):
@@ -178,19 +182,23 @@ def resolve_function(config: _Config, module: types.ModuleType) -> tuple:
 
 
 def _loaded() -> tuple:
-    global _LOADED
+    """The loaded function (imported once per worker). Raises the LoadError of a failed import, every time."""
+    global _LOADED, _LOAD_ERROR
     if _LOADED is None:
+        if _LOAD_ERROR is not None:
+            raise _LOAD_ERROR
         assert _CONFIG is not None, "init_worker was not called"
-        _LOADED = resolve_function(_CONFIG, load_module(_CONFIG))[:4]
+        try:
+            _LOADED = resolve_function(_CONFIG, load_module(_CONFIG))
+        except LoadError as e:
+            _LOAD_ERROR = e
+            raise
     return _LOADED
 
 
 def describe_task() -> dict:
-    """Loads the function in this worker and describes it. Raises LoadError when it cannot be used."""
-    assert _CONFIG is not None
-    fn, is_async, accepted, var_kw, signature = resolve_function(_CONFIG, load_module(_CONFIG))
-    global _LOADED
-    _LOADED = (fn, is_async, accepted, var_kw)
+    """Describes the function this worker loaded. Raises LoadError when it cannot be used."""
+    _, is_async, accepted, var_kw, signature = _loaded()
     return {"is_async": is_async, "accepted_keywords": accepted, "accepts_var_keywords": var_kw, "signature": signature}
 
 
@@ -240,7 +248,7 @@ def _messages(text: str) -> Any:
 
 
 def _sample_call(item: Item, state: Optional[TrainerState]):
-    fn, _, accepted, _ = _loaded()
+    fn, _, accepted, _, _ = _loaded()
     prompt, completion, example, pm, cm = item
     kw = {}
     if "trainer_state" in accepted:
@@ -253,7 +261,7 @@ def _sample_call(item: Item, state: Optional[TrainerState]):
 
 
 def _batch_kwargs(items: list, state: Optional[TrainerState]) -> dict:
-    fn, _, accepted, var_kw = _loaded()
+    fn, _, accepted, var_kw, _ = _loaded()
     kw: dict = {
         "prompts": [_messages(pm) if pm else p for p, _, _, pm, _ in items],
         "completions": [_messages(cm) if cm else c for _, c, _, _, cm in items],
@@ -342,7 +350,7 @@ def score_task(items: list, timeout_s: float, state: Optional[dict]) -> tuple:
     trainer_state = TrainerState(**state) if state is not None else None
     sink = _BoundedWriter(_CONFIG.max_log_bytes)
     try:
-        _, is_async, _, _ = _loaded()
+        is_async = _loaded()[1]
     except LoadError as e:  # the file changed under a hot reload that validated elsewhere: report, do not die
         return [(None, ERROR, str(e))] * len(items), "", 0
     try:

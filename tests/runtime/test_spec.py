@@ -90,3 +90,12 @@ def test_importing_a_sibling_file_says_the_sandbox_gets_only_the_reward_file(wri
                                               r"'helpers'\. The local backend installs no packages.*'helpers' is a "
                                               r"module beside .* receives only the reward's own file"):
         RewardSandboxes(load_config(path)).start()
+
+
+def test_an_import_that_never_finishes_fails_the_start_within_start_timeout(write_config):
+    path = write_config([{"name": "stuck", "code": "while True:\n    pass\n"}], sandbox={"start_timeout_s": 5})
+    sandboxes = RewardSandboxes(load_config(path))
+    with pytest.raises(RewardLoadError, match=r"stuck\.py: importing took longer than \d+s; a slow import needs a "
+                                              r"larger sandbox\.start_timeout_s"):
+        sandboxes.start()
+    assert sandboxes.replicas == {}

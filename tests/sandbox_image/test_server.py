@@ -228,3 +228,15 @@ def test_reload_during_a_batch_lets_the_old_version_finish_it(sandboxes, tmp_pat
     first, second = run(main())
     assert first.statuses == ["ok"] * 8 and first.values == [1.0] * 8
     assert second.values == [2.0] * 4
+
+
+def test_a_slow_import_does_not_count_against_the_first_calls_timeout(sandboxes):
+    code = """
+    import time
+    time.sleep(4)  # a heavy import (a model, transformers) at module level
+    def quick(prompt, completion, example):
+        return 1.0
+    """
+    s = sandboxes([{"name": "quick", "code": code, "workers": 2, "timeout_s": 0.5}])
+    report = score(s, "quick", ["a", "b", "c", "d"])
+    assert report.statuses == ["ok"] * 4 and report.workers_replaced == 0
