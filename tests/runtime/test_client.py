@@ -7,8 +7,6 @@ import os
 import signal
 
 from runtime import build_samples
-from runtime.backends.local import LocalSandbox
-from runtime.errors import BackendError
 from tests.conftest import no_sleep, run
 
 SLOW = """
@@ -59,20 +57,21 @@ def test_deterministic_errors_are_not_retried(sandboxes, tmp_path):
     assert report.attempts == 1 and no_sleep.calls == []
 
 
-def test_a_sandbox_that_stays_down_falls_back_after_the_retries(sandboxes, monkeypatch):
-    s = sandboxes([{"name": "slow", "code": SLOW, "retries": 2, "default_score": None}])
-    replica = s.replicas["slow"][0]
+def test_a_sandbox_that_stays_down_falls_back_after_the_retries(write_config):
+    from runtime import RewardSandboxes, load_config
+    from tests.fakes import UnrestartableBackend, UnrestartableSandbox
 
-    def restart_fails(self):
-        raise BackendError("engine gone")
-
-    monkeypatch.setattr(LocalSandbox, "restart", restart_fails)
-    os.killpg(replica.sandbox.pid(), signal.SIGKILL)
-    replica.sandbox._proc.wait()
-    report = run(s["slow"].client.score(build_samples(["p"] * 3, ["a", "b", "c"], {})))
+    no_sleep.calls = []
+    config = load_config(write_config([{"name": "slow", "code": SLOW, "retries": 2, "default_score": None}]))
+    with RewardSandboxes(config, backend=UnrestartableBackend(), sleep=no_sleep) as s:
+        replica = s.replicas["slow"][0]
+        os.killpg(replica.sandbox.pid(), signal.SIGKILL)
+        replica.sandbox._proc.wait()
+        report = run(s["slow"].client.score(build_samples(["p"] * 3, ["a", "b", "c"], {})))
     assert report.statuses == ["unavailable"] * 3
     assert report.values == [None] * 3
     assert "after 3 attempt(s)" in report.errors[0]
+    assert UnrestartableSandbox.restart_calls == 3  # one recovery try per attempt
     # exponential backoff with jitter: every wait within [0, initial * 2**attempt], capped
     assert len(no_sleep.calls) == 2
     assert all(0 <= d <= 0.2 * 2 ** (i + 1) for i, d in enumerate(no_sleep.calls))
