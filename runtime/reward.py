@@ -40,7 +40,9 @@ class SandboxedReward:
     Returns one float (or None, where ``default_score`` is null or the function returned None) per completion, in
     order. Never raises for reward or sandbox failures; those become fallbacks, counted through ``log_metric`` as
     ``sandbox/<name>/{fallback,error,timeout,crash,invalid,unavailable}_rate``, with ``latency_s``, ``attempts``
-    (RPC attempts for the batch), ``restarts_total`` (sandbox restarts so far) and ``workers_replaced``.
+    (RPC attempts for the batch), ``restarts_total`` (sandbox restarts so far) and ``workers_replaced``; and each
+    completion's status (``ok``, or the status and the error's last line) as the completions-table column
+    ``<name>_status`` through TRL's ``log_extra``.
     """
 
     def __init__(self, client: RewardClient):
@@ -67,6 +69,7 @@ class SandboxedReward:
         completions: Sequence[Any],
         trainer_state: Any = None,
         log_metric: Optional[Callable[[str, float], None]] = None,
+        log_extra: Optional[Callable[[str, list], None]] = None,
         **kwargs: Any,
     ) -> list:
         columns = {k: v for k, v in kwargs.items() if k not in TRL_RESERVED}
@@ -75,6 +78,12 @@ class SandboxedReward:
         report = await self.client.score(samples, state)
         self.last_report = report
         self._report(report, state, log_metric)
+        if log_extra is not None:
+            # A column of TRL's completions table: which completions fell back, and why.
+            log_extra(f"{self.__name__}_status", [
+                status if status == "ok" else f"{status}: {(error or '').strip().splitlines()[-1][:200]}"
+                for status, error in zip(report.statuses, report.errors)
+            ])
         return report.values
 
     def score_sync(self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list:

@@ -50,4 +50,6 @@ def test_grpo_trainer_step_uses_sandboxed_rewards(write_config, tiny_model, tmp_
         assert h["sandbox/sandbox_marker/fallback_rate"] == 0.0
         assert "rewards/batch_len/mean" in h
     assert "scored-by-pid=" in logs and f"scored-by-pid={os.getpid()} " not in logs
+    # each completion's sandbox status is a column of TRL's completions table
+    assert list(trainer._logs["extra"]["sandbox_marker_status"]) == ["ok"] * 4
     assert "step=1" in logs  # trainer_state reached the sandbox
