@@ -90,7 +90,12 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
             # Importing may take as long as the caller's deadline allows (a model loaded at module level).
             remaining = context.time_remaining()
             budget = max(1.0, remaining - 1.0) if remaining is not None else 60.0
-            described = await asyncio.gather(*(fp.describe(budget) for fp in started), return_exceptions=True)
+            try:
+                described = await asyncio.gather(*(fp.describe(budget) for fp in started), return_exceptions=True)
+            except BaseException:  # the caller went away (cancelled): these pools will never serve
+                for fp in started:
+                    fp.close(wait=False)
+                raise
             for fp, outcome in zip(started, described):
                 if isinstance(outcome, BaseException):
                     errors.append(str(outcome) if isinstance(outcome, worker.LoadError) else repr(outcome))
