@@ -18,6 +18,7 @@ import signal
 import tempfile
 import threading
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -118,6 +119,9 @@ class FunctionPool:
                                    "needs a larger sandbox.start_timeout_s") from None
         except ProcessExpired as e:
             raise worker.LoadError(f"{self.filename}: the worker died while importing (exit code {e.exitcode})")
+        except BrokenProcessPool:
+            raise worker.LoadError(f"{self.filename}: every worker died while importing it (os._exit, a crash, or "
+                                   "the memory limit at import time)") from None
         return self.info
 
     async def score(self, items: list, timeout_s: float, state: Optional[dict]) -> BatchResult:
