@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
+from .client import STATUSES
 from .errors import RewardboxError
 from .reward import SandboxedReward
 from .samples import samples_from_rows
@@ -27,7 +28,6 @@ out_console = Console()
 
 STATUS_STYLE = {"ok": "green", "error": "red", "timeout": "yellow", "crash": "magenta", "invalid": "red",
                 "unavailable": "bright_black"}
-ALL_STATUSES = ("ok", "error", "timeout", "crash", "invalid", "unavailable")
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -96,12 +96,12 @@ def _render(console_: Console, rewards: list[SandboxedReward], rows: list[dict],
 
     summary = Table(title="per-function status")
     summary.add_column("reward")
-    for s in ALL_STATUSES:
+    for s in STATUSES:
         summary.add_column(s, justify="right", style=STATUS_STYLE[s])
     summary.add_column("fallback %", justify="right")
     for r in rewards:
         statuses = [row["status"][r.name] for row in rows]
-        counts = [statuses.count(s) for s in ALL_STATUSES]
+        counts = [statuses.count(s) for s in STATUSES]
         summary.add_row(r.name, *map(str, counts), f"{100 * (len(statuses) - counts[0]) / max(1, len(statuses)):.1f}")
     console_.print(summary)
 
@@ -177,11 +177,7 @@ def build(
     try:
         cfg = load_config(config)
         builder = ImageBuilder(engine_client(), cfg.sandbox.cache_dir, on_output=_progress_printer())
-        groups: dict[tuple, list[str]] = {}
-        for r in cfg.rewards:
-            groups.setdefault(tuple(sorted(r.packages)), []).append(r.name)
-        for packages, owners in groups.items():
-            tag = builder.ensure(cfg.sandbox.base_image, packages, cfg.sandbox.pip_args, owners, force=force)
+        for packages, (tag, owners) in builder.ensure_images(cfg.rewards, cfg.sandbox, force=force).items():
             out_console.print(f"{tag}  rewards: {', '.join(owners)}  packages: {', '.join(packages) or '-'}")
     except RewardboxError as e:
         raise fail(str(e)) from None

@@ -55,6 +55,7 @@ STATUS_NAMES = {
     pb.STATUS_INVALID: "invalid",
     pb.STATUS_UNAVAILABLE: "unavailable",
 }
+STATUSES = tuple(STATUS_NAMES.values())  # "ok" first, then every status that falls back
 
 
 class TransientSandboxError(Exception):

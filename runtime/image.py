@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .errors import ImageBuildError
-from .spec import is_local_package
+from .spec import RewardSpec, SandboxSettings, is_local_package
 
 log = logging.getLogger("rewardbox")
 
@@ -155,9 +155,9 @@ class ImageBuilder:
                 f"registry, run `rewardbox base-image` and set `sandbox.base_image: {OFFLINE_BASE}`."
             ) from e
 
-    def target(self, base_image: str) -> ImageTarget:
+    def target(self, base_image: str, base_id: Optional[str] = None) -> ImageTarget:
         """Python version and platform of a base image; asked once per image id and cached on disk."""
-        base_id = self.base_image_id(base_image)
+        base_id = base_id or self.base_image_id(base_image)
         cache = self.cache_dir / "targets.json"
         known = json.loads(cache.read_text()) if cache.exists() else {}
         if base_id not in known:
@@ -174,10 +174,29 @@ class ImageBuilder:
 
     # -- sandbox image ------------------------------------------------------------------------------------------
     def tag_for(self, base_image: str, packages: Sequence[str], pip_args: Sequence[str] = ()) -> str:
+        return self._identity(base_image, packages, pip_args)[0]
+
+    def _identity(self, base_image: str, packages: Sequence[str], pip_args: Sequence[str]) -> tuple:
+        """(tag, target): the base image is looked up once for both."""
         base_id = self.base_image_id(base_image)
-        digest = content_hash(base_id, self.target(base_image), [*server_requirements(), *_content_keys(packages)],
-                              pip_args)
-        return f"{IMAGE_REPO}:{digest[:20]}"
+        target = self.target(base_image, base_id)
+        digest = content_hash(base_id, target, [*server_requirements(), *_content_keys(packages)], pip_args)
+        return f"{IMAGE_REPO}:{digest[:20]}", target
+
+    def ensure_images(self, rewards: Sequence[RewardSpec], settings: SandboxSettings,
+                      force: bool = False) -> dict[tuple, tuple[str, list[str]]]:
+        """One image per distinct package set of the rewards: {sorted packages: (tag, names of the rewards)}.
+
+        Raises:
+            ImageBuildError: naming the package and the rewards that need it.
+        """
+        owners: dict[tuple, list[str]] = {}
+        for r in rewards:
+            owners.setdefault(tuple(sorted(r.packages)), []).append(r.name)
+        return {
+            packages: (self.ensure(settings.base_image, packages, settings.pip_args, names, force=force), names)
+            for packages, names in owners.items()
+        }
 
     def ensure(self, base_image: str, packages: Sequence[str], pip_args: Sequence[str] = (),
                owners: Sequence[str] = (), force: bool = False) -> str:
@@ -186,14 +205,13 @@ class ImageBuilder:
         Raises:
             ImageBuildError: a package cannot be resolved for the image (named, with the rewards that need it).
         """
-        tag = self.tag_for(base_image, packages, pip_args)
+        tag, target = self._identity(base_image, packages, pip_args)
         if not force:
             try:
                 self.client.images.get(tag)
                 return tag
             except docker.errors.ImageNotFound:
                 pass
-        target = self.target(base_image)
         with tempfile.TemporaryDirectory(prefix="rbx-build-") as ctx:
             context = Path(ctx)
             self._wheelhouse(target, list(packages), list(pip_args), context / "wheels", owners)

@@ -13,12 +13,12 @@ from typing import Any, Callable, Optional, Sequence
 
 from sandbox_image.pb import reward_pb2 as pb
 
-from .client import RewardClient, ScoreReport
+from .client import STATUSES, RewardClient, ScoreReport
 from .samples import TRL_RESERVED, build_samples
 
 log = logging.getLogger("rewardbox")
 
-STATUSES = ("error", "timeout", "crash", "invalid", "unavailable")
+FALLBACK_STATUSES = STATUSES[1:]
 
 
 def trainer_state_message(state: Any) -> Optional[pb.TrainerState]:
@@ -95,7 +95,7 @@ class SandboxedReward:
         if log_metric is not None:
             prefix = f"sandbox/{self.__name__}"
             log_metric(f"{prefix}/fallback_rate", report.fallbacks / n)
-            for status in STATUSES:
+            for status in FALLBACK_STATUSES:
                 log_metric(f"{prefix}/{status}_rate", report.count(status) / n)
             log_metric(f"{prefix}/latency_s", report.latency_s)
             # Recoveries that succeeded leave no fallback behind; these show a sandbox that needed them.
@@ -106,7 +106,7 @@ class SandboxedReward:
             first = next((e for e in report.errors if e), "")
             log.warning("reward %s: %d/%d samples fell back to %r (%s). First error: %s", self.__name__,
                         report.fallbacks, n, self.client.reward.default_score,
-                        ", ".join(f"{s}={report.count(s)}" for s in STATUSES if report.count(s)),
+                        ", ".join(f"{s}={report.count(s)}" for s in FALLBACK_STATUSES if report.count(s)),
                         first.strip().splitlines()[-1] if first else "")
         for listener in self.listeners:
             try:

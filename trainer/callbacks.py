@@ -14,11 +14,10 @@ from typing import Optional
 from transformers import TrainerCallback
 
 from runtime import RewardboxError, RewardLoadError, RewardSandboxes
-from runtime.client import ScoreReport
+from runtime.client import STATUSES, ScoreReport
 
 log = logging.getLogger("rewardbox")
 
-STATUSES = ("ok", "error", "timeout", "crash", "invalid", "unavailable")
 
 
 class RewardLog:

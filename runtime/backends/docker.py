@@ -178,11 +178,7 @@ class DockerBackend:
         if self.builder is None:
             kwargs = {"on_output": self._on_output} if self._on_output else {}
             self.builder = ImageBuilder(self.client, settings.cache_dir, **kwargs)
-        by_packages: dict[tuple, list[str]] = {}
-        for r in rewards:
-            by_packages.setdefault(tuple(sorted(r.packages)), []).append(r.name)
-        for packages, owners in by_packages.items():
-            self.images[packages] = self.builder.ensure(settings.base_image, packages, settings.pip_args, owners)
+        self.images = {packages: tag for packages, (tag, _) in self.builder.ensure_images(rewards, settings).items()}
 
     def create(self, reward: RewardSpec, replica: int, settings: SandboxSettings) -> DockerSandbox:
         image = self.images.get(tuple(sorted(reward.packages)))
