@@ -28,6 +28,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 
 from sandbox_image.pb import reward_pb2 as pb
 from sandbox_image.pb import reward_pb2_grpc as pb_grpc
+from sandbox_image.pools import HARD_TIMEOUT_MARGIN_S
 from sandbox_image.server import GRPC_OPTIONS, SERVICE_NAME
 
 from .backends.base import Sandbox
@@ -285,7 +286,7 @@ class RewardClient:
         else:
             serial = math.ceil(n / r.workers)
         # A chunk that crashes or hangs is re-run one sample per task, so allow twice the serial time.
-        return 2 * serial * (r.timeout_s + 2.0) + self.settings.rpc_grace_s
+        return 2 * serial * (r.timeout_s + HARD_TIMEOUT_MARGIN_S) + self.settings.rpc_grace_s
 
     async def score(self, samples: Sequence[pb.Sample], trainer_state: Optional[pb.TrainerState] = None) -> ScoreReport:
         """Scores samples; never raises for sandbox or user-code failures.

@@ -14,6 +14,7 @@ import hashlib
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -31,7 +32,8 @@ log = logging.getLogger("rewardbox.sandbox")
 DEFAULT_WORKERS = 2
 DEFAULT_CONCURRENCY = 16
 DEFAULT_MAX_LOG_BYTES = 64 * 1024
-# Slack on top of the user's timeout before a worker is killed from outside (worker start, IPC, import).
+# Slack on top of the user's timeout before a worker is killed from outside (IPC, result pickling); the import
+# happens in the pool initializer, before the task's clock starts.
 HARD_TIMEOUT_MARGIN_S = 2.0
 
 _MP_CONTEXT = multiprocessing.get_context("forkserver")
@@ -233,14 +235,12 @@ class FunctionPool:
         with contextlib.suppress(Exception):
             pool.join(timeout=30)
         self.reap_orphans()
+        shutil.rmtree(self.registry_dir, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    fields = worker.proc_stat(pid)
+    return fields is not None and fields[0] != "Z"  # a zombie has exited
 
 
 def _signal_name(e: ProcessExpired) -> str:

@@ -84,7 +84,6 @@ def init_worker(config: dict) -> None:
     if _CONFIG.registry_dir:
         with contextlib.suppress(OSError):
             open(os.path.join(_CONFIG.registry_dir, str(os.getpid())), "w").close()
-    signal.signal(signal.SIGALRM, _on_alarm)
     with contextlib.suppress(LoadError):
         _loaded()
 
@@ -351,7 +350,7 @@ def score_task(items: list, timeout_s: float, state: Optional[dict]) -> tuple:
     sink = _BoundedWriter(_CONFIG.max_log_bytes)
     try:
         is_async = _loaded()[1]
-    except LoadError as e:  # the file changed under a hot reload that validated elsewhere: report, do not die
+    except LoadError as e:  # this worker's own import failed although another's succeeded: report, do not die
         return [(None, ERROR, str(e))] * len(items), "", 0
     try:
         with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
@@ -364,6 +363,15 @@ def score_task(items: list, timeout_s: float, state: Optional[dict]) -> tuple:
     finally:
         _kill_leftover_children()
     return outcomes, sink.text(), sink.dropped
+
+
+def proc_stat(pid: int) -> Optional[list]:
+    """The fields of /proc/<pid>/stat after the command name (state first, then ppid, pgrp, ...); None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
 
 
 def _kill_leftover_children() -> None:
@@ -383,13 +391,10 @@ def _kill_leftover_children() -> None:
     except OSError:
         return
     for entry in entries:
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                pgid = int(f.read().rsplit(")", 1)[1].split()[2])
-            if pgid == me:
+        fields = proc_stat(int(entry))
+        if fields and fields[2] == str(me):  # its process group is this worker's
+            with contextlib.suppress(OSError):
                 os.kill(int(entry), signal.SIGKILL)
-        except (OSError, ValueError, IndexError):
-            continue
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
