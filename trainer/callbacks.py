@@ -91,6 +91,20 @@ class RewardPlotCallback(TrainerCallback):
             plot_rewards(state.log_history, self.names, self.path)
 
 
+def _mtime(path: Path) -> Optional[int]:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+def _digest(path: Path) -> Optional[str]:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
 class RewardReloadCallback(TrainerCallback):
     """Before each step, reloads reward files that changed on disk into their running sandboxes.
 
@@ -100,23 +114,19 @@ class RewardReloadCallback(TrainerCallback):
     def __init__(self, sandboxes: RewardSandboxes, reward_log: Optional[RewardLog] = None):
         self.sandboxes = sandboxes
         self.reward_log = reward_log
-        self._seen = {r.name: self._fingerprint(r.name) for r in sandboxes.config.rewards}
-
-    def _fingerprint(self, name: str) -> tuple:
-        reward = next(r for r in self.sandboxes.config.rewards if r.name == name)
-        path = self.sandboxes.config.source_path(reward)
-        try:
-            stat = path.stat()
-            return stat.st_mtime_ns, hashlib.sha256(path.read_bytes()).hexdigest()
-        except OSError:
-            return None, None
+        self._paths = {r.name: sandboxes.config.source_path(r) for r in sandboxes.config.rewards}
+        self._seen = {name: (_mtime(path), _digest(path)) for name, path in self._paths.items()}
 
     def check(self, step: int) -> list[str]:
-        """Reloads what changed; returns the names reloaded."""
+        """Reloads what changed; returns the names reloaded. Only a file whose mtime moved is read."""
         reloaded = []
         for name, (mtime, digest) in list(self._seen.items()):
-            new_mtime, new_digest = self._fingerprint(name)
-            if new_mtime == mtime or new_digest is None:
+            path = self._paths[name]
+            new_mtime = _mtime(path)
+            if new_mtime == mtime:
+                continue
+            new_digest = _digest(path)
+            if new_digest is None:
                 continue
             if new_digest == digest:
                 self._seen[name] = (new_mtime, new_digest)

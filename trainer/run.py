@@ -16,7 +16,7 @@ from runtime.backends import Backend
 from runtime.image import default_cache_dir
 from runtime.spec import Where
 
-from .callbacks import RewardLog, RewardPlotCallback, RewardReloadCallback, plot_rewards
+from .callbacks import RewardLog, RewardPlotCallback, RewardReloadCallback
 from .config import BUILTIN_TINY, DatasetSection, ModelSection, TrainConfig, load_train_config
 
 log = logging.getLogger("rewardbox")
@@ -171,8 +171,7 @@ def train(
         trainer.train()
         trainer.save_model(str(output_dir))
         if state.is_main_process:
-            tokenizer.save_pretrained(str(output_dir))
-            plot_rewards(trainer.state.log_history, names, output_dir / "rewards.png")
+            tokenizer.save_pretrained(str(output_dir))  # rewards.png was written by RewardPlotCallback.on_train_end
             if cfg.save_merged and peft_config is not None:
                 merged = trainer.model.merge_and_unload()
                 merged.save_pretrained(str(output_dir / "merged"))
