@@ -57,8 +57,12 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def _config(directory: Path, base_image: str, rewards: list[dict]):
-    return parse_config({"sandbox": {"backend": "docker", "base_image": base_image},
+    return parse_config({"sandbox": {"backend": "docker", "docker": {"base_image": base_image}},
                          "rewards": [{"source": "bench_rewards.py", **r} for r in rewards]}, directory)
+
+
+def _backend(config, client) -> DockerBackend:
+    return DockerBackend(config.sandbox.backend_settings("docker"), client=client)
 
 
 def run_bench(base_image: str, iterations: int = 200, progress: Callable[[str], None] = print) -> list[Figure]:
@@ -73,6 +77,7 @@ def run_bench(base_image: str, iterations: int = 200, progress: Callable[[str], 
         # (d) builds first: uncached (image removed, fresh wheelhouse), then cached.
         progress("(d) image builds")
         builder = ImageBuilder(client, cache_dir=directory / "cache", on_output=lambda line: None)
+        base_image = builder.base_images.resolve(base_image)
         builder.base_image_id(base_image)
         tag = builder.tag_for(base_image, [])
         try:
@@ -94,7 +99,7 @@ def run_bench(base_image: str, iterations: int = 200, progress: Callable[[str], 
         for _ in range(3):
             config = _config(directory, base_image, [{"name": "trivial", "workers": 1}])
             t0 = time.perf_counter()
-            with RewardSandboxes(config, backend=DockerBackend(client)) as sandboxes:
+            with RewardSandboxes(config, backend=_backend(config, client)) as sandboxes:
                 asyncio.run(sandboxes.rewards[0].client.score(build_samples(["p"], ["x"], {})))
                 cold.append(time.perf_counter() - t0)
         figures.append(Figure("cold start: start() to first score (median of 3)",
@@ -111,7 +116,7 @@ def run_bench(base_image: str, iterations: int = 200, progress: Callable[[str], 
             [fn(p, c, {}) for p, c in zip(prompts, completions)]
             in_process.append(time.perf_counter() - t0)
         config = _config(directory, base_image, [{"name": "trivial", "workers": 2, "cpus": 2}])
-        with RewardSandboxes(config, backend=DockerBackend(client)) as sandboxes:
+        with RewardSandboxes(config, backend=_backend(config, client)) as sandboxes:
             reward = sandboxes.rewards[0]
 
             async def batches():
@@ -137,7 +142,7 @@ def run_bench(base_image: str, iterations: int = 200, progress: Callable[[str], 
             progress(f"(b) throughput, {replicas} replica(s)")
             config = _config(directory, base_image,
                              [{"name": "cpu_bound", "replicas": replicas, "workers": 1, "cpus": 1}])
-            with RewardSandboxes(config, backend=DockerBackend(client)) as sandboxes:
+            with RewardSandboxes(config, backend=_backend(config, client)) as sandboxes:
                 reward = sandboxes.rewards[0]
                 batch = build_samples(["p"] * 64, ["c"] * 64, {})
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -15,12 +16,13 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
-from .client import STATUSES
+from .base_image import OFFLINE_BASE
 from .errors import RewardboxError
 from .reward import SandboxedReward
 from .samples import samples_from_rows
 from .session import RewardSandboxes
 from .spec import load_config
+from .wire import Status
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Reward sandboxes for GRPO training.")
 console = Console(stderr=True)
@@ -96,12 +98,12 @@ def _render(console_: Console, rewards: list[SandboxedReward], rows: list[dict],
 
     summary = Table(title="per-function status")
     summary.add_column("reward")
-    for s in STATUSES:
-        summary.add_column(s, justify="right", style=STATUS_STYLE[s])
+    for s in Status:
+        summary.add_column(s.value, justify="right", style=STATUS_STYLE[s])
     summary.add_column("fallback %", justify="right")
     for r in rewards:
         statuses = [row["status"][r.name] for row in rows]
-        counts = [statuses.count(s) for s in STATUSES]
+        counts = [statuses.count(s) for s in Status]
         summary.add_row(r.name, *map(str, counts), f"{100 * (len(statuses) - counts[0]) / max(1, len(statuses)):.1f}")
     console_.print(summary)
 
@@ -112,7 +114,8 @@ def score(
     samples: Path = typer.Option(..., "--samples", "-s", help="JSONL: prompt, completion (text or messages), columns"),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="write one JSON object per sample here"),
     batch_size: int = typer.Option(64, min=1, help="samples per Score call"),
-    backend: Optional[str] = typer.Option(None, help="override sandbox.backend: auto | docker | local"),
+    backend: Optional[str] = typer.Option(None, help="override sandbox.backend: auto, or a registered backend "
+                                                     "(`rewardbox backends` lists them)"),
     show: int = typer.Option(20, help="rows of the table to print"),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
@@ -122,7 +125,10 @@ def score(
     try:
         cfg = load_config(config)
         if backend:
-            cfg.sandbox.backend = backend
+            try:
+                cfg.sandbox.backend = backend
+            except ValueError as e:  # pydantic's ValidationError: an unregistered name
+                raise RewardboxError(f"--backend: {e.errors()[0]['msg'] if hasattr(e, 'errors') else e}") from None
         rows_in = read_jsonl(samples)
         try:
             wire = samples_from_rows(rows_in)
@@ -141,7 +147,7 @@ def score(
             report = reports[r.name][i // batch_size]
             j = i % batch_size
             row["scores"][r.name] = report.values[j]
-            row["status"][r.name] = report.statuses[j]
+            row["status"][r.name] = str(report.statuses[j])
             row["errors"][r.name] = report.errors[j]
         scored = [(r.weight, row["scores"][r.name]) for r in rewards if row["scores"][r.name] is not None]
         row["total"] = sum(w * v for w, v in scored) if scored else None
@@ -176,8 +182,9 @@ def build(
 
     try:
         cfg = load_config(config)
-        builder = ImageBuilder(engine_client(), cfg.sandbox.cache_dir, on_output=_progress_printer())
-        for packages, (tag, owners) in builder.ensure_images(cfg.rewards, cfg.sandbox, force=force).items():
+        docker_settings = cfg.sandbox.backend_settings("docker")
+        builder = ImageBuilder(engine_client(), docker_settings.cache_dir, on_output=_progress_printer())
+        for packages, (tag, owners) in builder.ensure_images(cfg.rewards, docker_settings, force=force).items():
             out_console.print(f"{tag}  rewards: {', '.join(owners)}  packages: {', '.join(packages) or '-'}")
     except RewardboxError as e:
         raise fail(str(e)) from None
@@ -185,7 +192,7 @@ def build(
 
 @app.command("base-image")
 def base_image(
-    tag: str = typer.Option("rewardbox/base:bookworm", help="tag of the image to create"),
+    tag: str = typer.Option(OFFLINE_BASE, help="tag of the image to create"),
     suite: str = typer.Option("bookworm", help="Debian suite"),
     mirror: str = typer.Option("http://deb.debian.org/debian", help="Debian mirror"),
     force: bool = typer.Option(False, help="rebuild even when the tag exists"),
@@ -195,7 +202,7 @@ def base_image(
     import docker.errors
 
     from .backends.docker import engine_client
-    from .image import build_offline_base
+    from .base_image import build_offline_base
 
     try:
         client = engine_client()
@@ -220,8 +227,8 @@ def train(
     """Train with GRPO on sandboxed rewards. Override any field: --grpo.max_steps 5 --lora.r 8."""
     _setup_logging(verbose)
     _sigterm_as_interrupt()
-    from trainer import load_train_config
-    from trainer import train as run_training
+    from .trainer import load_train_config
+    from .trainer import train as run_training
 
     try:
         cfg = load_train_config(config, ctx.args)
@@ -242,7 +249,7 @@ def train(
 
 @app.command()
 def bench(
-    base_image: str = typer.Option("rewardbox/base:bookworm", help="base image of the sandbox image"),
+    base_image: str = typer.Option("auto", help="base image of the sandbox image (sandbox.docker.base_image)"),
     iterations: int = typer.Option(200, min=10, help="64-sample batches for the overhead figure"),
 ) -> None:
     """Measure sandbox overhead, throughput, cold start and build times; print them beside our targets."""
@@ -284,13 +291,33 @@ def clean(
 
 
 @app.command()
+def backends() -> None:
+    """List the registered sandbox backends and their settings (sandbox.<name>: in the config)."""
+    from .backends import backend_types
+
+    try:
+        types = backend_types()
+    except RewardboxError as e:
+        raise fail(str(e)) from None
+    table = Table(title="sandbox backends (sandbox.backend: auto picks docker, never local)")
+    table.add_column("backend")
+    table.add_column("isolated")
+    table.add_column("settings (sandbox.<backend>.<key>)")
+    table.add_column("what it is")
+    for t in types:
+        fields = ", ".join(f"{k}={v.default!r}" if v.default_factory is None else k
+                           for k, v in t.settings_type.model_fields.items())
+        table.add_row(t.name, "yes" if t.isolated else "[red]NO[/]", fields or "-", t.summary)
+    out_console.print(table)
+
+
+@app.command()
 def serve(
     listen: str = typer.Option("unix:///tmp/rewardbox.sock", help="unix:///path.sock or host:port"),
 ) -> None:
-    """Run a sandbox server in this process (what runs inside each container), for debugging with grpcurl."""
-    from sandbox_image.server import main as server_main
-
-    sys.exit(server_main(["--listen", listen]))
+    """Run a sandbox server (what runs inside each container) as this process, for debugging with grpcurl."""
+    # exec, not import: the host side never loads the sandbox's modules.
+    os.execv(sys.executable, [sys.executable, "-m", "rewardbox.sandbox.server", "--listen", listen])
 
 
 def main() -> None:

@@ -20,3 +20,13 @@ class BackendError(RewardboxError):
 
 class ImageBuildError(RewardboxError):
     """A sandbox image could not be built: a package that does not exist or has no build for the image."""
+
+
+class TransportError(RewardboxError):
+    """An RPC to a sandbox failed. ``code`` is the gRPC status code (``grpc.StatusCode``): the client decides on
+    it (transient or not), never on the message text."""
+
+    def __init__(self, code, details: str = ""):
+        super().__init__(f"{code.name}: {details}" if details else code.name)
+        self.code = code
+        self.details = details

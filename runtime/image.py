@@ -4,6 +4,9 @@ The user's packages (and the server's own) are resolved and downloaded **on the 
 base image's Python version and platform, then installed in the image with ``pip --no-index``: the build needs no
 network, so it works where containers cannot reach a package index, and with private indexes (``pip_args``).
 A second build with nothing changed finds the tag and never calls the engine's build.
+
+The image gets the sandbox side of rewardbox only: ``rewardbox.sandbox`` and ``rewardbox.wire``, copied from
+wherever this package is installed (a checkout or a wheel), under a ``rewardbox/__init__.py`` of its own.
 """
 
 from __future__ import annotations
@@ -19,25 +22,33 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from importlib import metadata
+from importlib.util import find_spec
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import docker
 import docker.errors
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from .base_image import BaseImageResolver
 from .errors import ImageBuildError
-from .spec import RewardSpec, SandboxSettings, is_local_package
+from .spec import RewardSpec, is_local_package
+from .wire import VERSION
+
+if TYPE_CHECKING:
+    from .backends.docker import DockerSettings
 
 log = logging.getLogger("rewardbox")
 
 IMAGE_REPO = "rewardbox-sandbox"
-OFFLINE_BASE_REPO = "rewardbox/base"
-OFFLINE_BASE = f"{OFFLINE_BASE_REPO}:bookworm"
 SERVER_DISTRIBUTIONS = ("grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "pebble")
+# What of rewardbox goes into the image: the sandbox and the wire module, found (not imported) where installed.
+IMAGE_PACKAGES = ("rewardbox.sandbox", "rewardbox.wire")
+# The image's rewardbox/__init__.py: the host's own would name host modules the image does not have.
+IMAGE_INIT = (f'"""rewardbox {VERSION}, sandbox side: rewardbox.sandbox and rewardbox.wire."""\n\n'
+              f'__version__ = "{VERSION}"\n')
 _STEP = re.compile(r"^Step (\d+)/(\d+) : (.*)")
-_SERVER_DIR = Path(__file__).resolve().parent.parent / "sandbox_image"
 _PROBE = (
     "import json, platform, sys; "
     "print(json.dumps({'python': '%d.%d' % sys.version_info[:2], 'machine': platform.machine(), "
@@ -106,9 +117,30 @@ def _content_keys(packages: Sequence[str]) -> list[str]:
     return [f"{p}@sha256:{_tree_digest(Path(p).expanduser())}" if is_local_package(p) else p for p in packages]
 
 
-def _server_files() -> list[Path]:
-    return sorted(p for p in _SERVER_DIR.rglob("*") if p.is_file() and "__pycache__" not in p.parts
-                  and p.suffix in (".py", ".pyi", "") and p.name != "protogen.py")
+def package_dir(name: str) -> Path:
+    """The folder of an installed package of ours, without importing it."""
+    spec = find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImageBuildError(f"{name} is not installed with rewardbox; reinstall rewardbox")
+    return Path(next(iter(spec.submodule_search_locations))).resolve()
+
+
+def dockerfile() -> Path:
+    return package_dir("rewardbox.sandbox") / "Dockerfile"
+
+
+def image_files() -> dict[str, Path]:
+    """What of rewardbox goes into the image, by its path under the image's ``rewardbox/`` folder: the modules and
+    stubs of IMAGE_PACKAGES (not the Dockerfile, not the dev-only stub generator)."""
+    files = {}
+    for name in IMAGE_PACKAGES:
+        root = package_dir(name)
+        sub = name.split(".", 1)[1]
+        for path in sorted(root.rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix in (".py", ".pyi") \
+                    and path.name != "protogen.py":
+                files[f"{sub}/{path.relative_to(root).as_posix()}"] = path
+    return files
 
 
 def content_hash(base_id: str, target: ImageTarget, requirements: Sequence[str], pip_args: Sequence[str]) -> str:
@@ -116,8 +148,10 @@ def content_hash(base_id: str, target: ImageTarget, requirements: Sequence[str],
     h = hashlib.sha256()
     h.update(json.dumps({"base": base_id, "target": asdict(target), "requirements": sorted(requirements),
                          "pip_args": list(pip_args)}, sort_keys=True).encode())
-    for path in _server_files():
-        h.update(str(path.relative_to(_SERVER_DIR)).encode())
+    h.update(IMAGE_INIT.encode())
+    h.update(dockerfile().read_bytes())
+    for relative, path in image_files().items():
+        h.update(relative.encode())
         h.update(path.read_bytes())
     return h.hexdigest()
 
@@ -126,34 +160,23 @@ class ImageBuilder:
     """Builds and caches sandbox images. ``on_output`` receives build progress lines as they stream."""
 
     def __init__(self, client: docker.DockerClient, cache_dir: Optional[Path] = None,
-                 on_output: Callable[[str], None] = lambda line: log.info("%s", line)):
+                 on_output: Callable[[str], None] = lambda line: log.info("%s", line),
+                 base_images: Optional[BaseImageResolver] = None):
         self.client = client
         self.cache_dir = Path(cache_dir or default_cache_dir())
         self.on_output = on_output
+        self.base_images = base_images or BaseImageResolver(client, on_output=on_output)
         self.engine_builds = 0  # how many times the engine's build was called (cache hits do not count)
 
     # -- base image ---------------------------------------------------------------------------------------------
     def base_image_id(self, base_image: str) -> str:
-        """The base image's id, pulling it, or building the offline base, when it is not present.
+        """The id of a concrete base image (not ``auto``), pulling it, or building the offline base, when it is not
+        present.
 
         Raises:
             ImageBuildError: it cannot be pulled (with the offline alternative named).
         """
-        try:
-            return self.client.images.get(base_image).id
-        except docker.errors.ImageNotFound:
-            pass
-        if base_image.startswith(OFFLINE_BASE_REPO + ":"):
-            build_offline_base(self.client, tag=base_image, on_output=self.on_output)
-            return self.client.images.get(base_image).id
-        self.on_output(f"pulling {base_image}")
-        try:
-            return self.client.images.pull(base_image).id
-        except docker.errors.APIError as e:
-            raise ImageBuildError(
-                f"base image {base_image!r} is not present and cannot be pulled ({e.explanation or e}). Without a "
-                f"registry, run `rewardbox base-image` and set `sandbox.base_image: {OFFLINE_BASE}`."
-            ) from e
+        return self.base_images.ensure(base_image)
 
     def target(self, base_image: str, base_id: Optional[str] = None) -> ImageTarget:
         """Python version and platform of a base image; asked once per image id and cached on disk."""
@@ -174,16 +197,16 @@ class ImageBuilder:
 
     # -- sandbox image ------------------------------------------------------------------------------------------
     def tag_for(self, base_image: str, packages: Sequence[str], pip_args: Sequence[str] = ()) -> str:
-        return self._identity(base_image, packages, pip_args)[0]
+        return self._identity(self.base_images.resolve(base_image), packages, pip_args)[0]
 
     def _identity(self, base_image: str, packages: Sequence[str], pip_args: Sequence[str]) -> tuple:
-        """(tag, target): the base image is looked up once for both."""
+        """(tag, target) for a concrete base image: it is looked up once for both."""
         base_id = self.base_image_id(base_image)
         target = self.target(base_image, base_id)
         digest = content_hash(base_id, target, [*server_requirements(), *_content_keys(packages)], pip_args)
         return f"{IMAGE_REPO}:{digest[:20]}", target
 
-    def ensure_images(self, rewards: Sequence[RewardSpec], settings: SandboxSettings,
+    def ensure_images(self, rewards: Sequence[RewardSpec], settings: "DockerSettings",
                       force: bool = False) -> dict[tuple, tuple[str, list[str]]]:
         """One image per distinct package set of the rewards: {sorted packages: (tag, names of the rewards)}.
 
@@ -193,18 +216,21 @@ class ImageBuilder:
         owners: dict[tuple, list[str]] = {}
         for r in rewards:
             owners.setdefault(tuple(sorted(r.packages)), []).append(r.name)
+        base_image = self.base_images.resolve(settings.base_image)
         return {
-            packages: (self.ensure(settings.base_image, packages, settings.pip_args, names, force=force), names)
+            packages: (self.ensure(base_image, packages, settings.pip_args, names, force=force), names)
             for packages, names in owners.items()
         }
 
     def ensure(self, base_image: str, packages: Sequence[str], pip_args: Sequence[str] = (),
                owners: Sequence[str] = (), force: bool = False) -> str:
         """Returns the tag of an image with these packages, building it only when no such image exists.
+        ``base_image`` may be ``auto``.
 
         Raises:
             ImageBuildError: a package cannot be resolved for the image (named, with the rewards that need it).
         """
+        base_image = self.base_images.resolve(base_image)
         tag, target = self._identity(base_image, packages, pip_args)
         if not force:
             try:
@@ -215,9 +241,13 @@ class ImageBuilder:
         with tempfile.TemporaryDirectory(prefix="rbx-build-") as ctx:
             context = Path(ctx)
             self._wheelhouse(target, list(packages), list(pip_args), context / "wheels", owners)
-            shutil.copytree(_SERVER_DIR, context / "server" / "sandbox_image",
-                            ignore=shutil.ignore_patterns("__pycache__", "protogen.py", "Dockerfile"))
-            shutil.copy(_SERVER_DIR / "Dockerfile", context / "Dockerfile")
+            package = context / "server" / "rewardbox"
+            package.mkdir(parents=True)
+            (package / "__init__.py").write_text(IMAGE_INIT)
+            for relative, path in image_files().items():
+                (package / relative).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(path, package / relative)
+            shutil.copy(dockerfile(), context / "Dockerfile")
             self._build(context, tag, base_image)
         return tag
 
@@ -307,40 +337,3 @@ def _explain_pip_failure(stderr: str, packages: Sequence[str], owners: Sequence[
                 f"{stderr.strip().splitlines()[-1]}")
     tail = "\n".join(stderr.strip().splitlines()[-8:])
     return f"resolving packages {list(packages)}{for_rewards} for {target.describe()} failed:\n{tail}"
-
-
-def build_offline_base(client: docker.DockerClient, tag: str = OFFLINE_BASE, suite: str = "bookworm",
-                       mirror: str = "http://deb.debian.org/debian",
-                       on_output: Callable[[str], None] = lambda line: log.info("%s", line)) -> str:
-    """Builds a minimal Debian image with python3 from Debian packages alone (debootstrap, then import).
-
-    Needs root and debootstrap (``apt-get install debootstrap``). Returns the tag.
-
-    Raises:
-        ImageBuildError: debootstrap is missing, not root, or it failed (with its last output).
-    """
-    if shutil.which("debootstrap") is None:
-        raise ImageBuildError("debootstrap is not installed: `apt-get install debootstrap` (or run scripts/setup.sh)")
-    if os.geteuid() != 0:
-        raise ImageBuildError("building the offline base image needs root (debootstrap): run it with sudo")
-    with tempfile.TemporaryDirectory(prefix="rbx-rootfs-") as tmp:
-        rootfs = Path(tmp) / "rootfs"
-        on_output(f"debootstrap {suite} with python3 from {mirror} (a few minutes, once)")
-        proc = subprocess.Popen(["debootstrap", "--variant=minbase", "--include=python3", suite, str(rootfs), mirror],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        lines = []
-        for line in proc.stdout:
-            lines.append(line.rstrip())
-            if line.startswith(("I: Retrieving", "I: Base system installed", "I: Configuring python3")):
-                on_output(line.rstrip())
-        if proc.wait() != 0:
-            raise ImageBuildError("debootstrap failed:\n" + "\n".join(lines[-15:]))
-        for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):
-            shutil.rmtree(rootfs / junk, ignore_errors=True)
-        tarball = Path(tmp) / "rootfs.tar"
-        subprocess.run(["tar", "-C", str(rootfs), "-cf", str(tarball), "."], check=True)
-        repository, _, version = tag.partition(":")
-        on_output(f"importing {tag}")
-        client.api.import_image_from_file(str(tarball), repository=repository, tag=version or "latest",
-                                          changes=['CMD ["python3"]', "ENV LANG=C.UTF-8"])
-    return tag

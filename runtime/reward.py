@@ -11,26 +11,12 @@ import asyncio
 import logging
 from typing import Any, Callable, Optional, Sequence
 
-from sandbox_image.pb import reward_pb2 as pb
-
-from .client import STATUSES, RewardClient, ScoreReport
+from .client import RewardClient, ScoreReport
 from .samples import TRL_RESERVED, build_samples
+from .wire import Status, trainer_state_to_wire
+from .wire.pb import reward_pb2 as pb
 
 log = logging.getLogger("rewardbox")
-
-FALLBACK_STATUSES = STATUSES[1:]
-
-
-def trainer_state_message(state: Any) -> Optional[pb.TrainerState]:
-    """pb.TrainerState from a transformers TrainerState (or a mapping with the same keys)."""
-    if state is None:
-        return None
-    get = state.get if isinstance(state, dict) else lambda k, d=None: getattr(state, k, d)
-    return pb.TrainerState(
-        global_step=int(get("global_step", 0) or 0),
-        max_steps=int(get("max_steps", 0) or 0),
-        epoch=float(get("epoch", 0.0) or 0.0),
-    )
 
 
 class SandboxedReward:
@@ -74,14 +60,14 @@ class SandboxedReward:
     ) -> list:
         columns = {k: v for k, v in kwargs.items() if k not in TRL_RESERVED}
         samples = build_samples(prompts, completions, columns)
-        state = trainer_state_message(trainer_state)
+        state = trainer_state_to_wire(trainer_state)
         report = await self.client.score(samples, state)
         self.last_report = report
         self._report(report, state, log_metric)
         if log_extra is not None:
             # A column of TRL's completions table: which completions fell back, and why.
             log_extra(f"{self.__name__}_status", [
-                status if status == "ok" else f"{status}: {(error or '').strip().splitlines()[-1][:200]}"
+                str(status) if status == Status.OK else f"{status}: {_last_line(error)[:200]}"
                 for status, error in zip(report.statuses, report.errors)
             ])
         return report.values
@@ -95,7 +81,7 @@ class SandboxedReward:
         if log_metric is not None:
             prefix = f"sandbox/{self.__name__}"
             log_metric(f"{prefix}/fallback_rate", report.fallbacks / n)
-            for status in FALLBACK_STATUSES:
+            for status in Status.fallbacks():
                 log_metric(f"{prefix}/{status}_rate", report.count(status) / n)
             log_metric(f"{prefix}/latency_s", report.latency_s)
             # Recoveries that succeeded leave no fallback behind; these show a sandbox that needed them.
@@ -106,10 +92,15 @@ class SandboxedReward:
             first = next((e for e in report.errors if e), "")
             log.warning("reward %s: %d/%d samples fell back to %r (%s). First error: %s", self.__name__,
                         report.fallbacks, n, self.client.reward.default_score,
-                        ", ".join(f"{s}={report.count(s)}" for s in FALLBACK_STATUSES if report.count(s)),
-                        first.strip().splitlines()[-1] if first else "")
+                        ", ".join(f"{s}={report.count(s)}" for s in Status.fallbacks() if report.count(s)),
+                        _last_line(first))
         for listener in self.listeners:
             try:
                 listener(report, state)
             except Exception:  # noqa: BLE001 - a broken log sink must not stop training
                 log.exception("reward %s: a report listener failed", self.__name__)
+
+
+def _last_line(text: Optional[str]) -> str:
+    lines = (text or "").strip().splitlines()
+    return lines[-1] if lines else ""

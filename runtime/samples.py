@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable, Sequence
 
-from sandbox_image.pb import reward_pb2 as pb
+from .wire.pb import reward_pb2 as pb
 
 # Keyword arguments TRL passes that are not dataset columns.
 TRL_RESERVED = frozenset(

@@ -15,24 +15,39 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Awaitable, Callable, Optional
 
-from .backends import Backend, select_backend
-from .client import Replica, RewardClient, function_source
+from .backends import Backend, create_backend
+from .client import RewardClient
 from .errors import RewardboxError, RewardLoadError
+from .replica import Replica, function_source
 from .reward import SandboxedReward
 from .spec import RewardboxConfig
+from .transport import GrpcTransport, Transport
 
 log = logging.getLogger("rewardbox")
 
 
 class RewardSandboxes:
+    """Every reward's sandboxes, from a config.
+
+    Args:
+        config: the validated config.
+        backend: where sandboxes run; by default the one ``config.sandbox.backend`` names, made from its settings
+            (and closed by :meth:`stop`; a backend handed in belongs to the caller).
+        transport: how the host reaches sandboxes (gRPC by default).
+        sleep: the retries' sleep (tests pass one that does not wait).
+    """
+
     def __init__(
         self,
         config: RewardboxConfig,
         backend: Optional[Backend] = None,
+        transport: Optional[Transport] = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ):
         self.config = config
         self.backend = backend
+        self._owns_backend = backend is None
+        self.transport = transport or GrpcTransport()
         self._sleep = sleep
         self.replicas: dict[str, list[Replica]] = {}
         self.rewards: list[SandboxedReward] = []
@@ -59,12 +74,12 @@ class RewardSandboxes:
         settings = self.config.sandbox
         try:
             if self.backend is None:
-                self.backend = select_backend(settings)
-            self.backend.prepare(self.config.rewards, settings)
+                self.backend = create_backend(settings)
+            self.backend.prepare(self.config.rewards)
             for reward in self.config.rewards:
                 source = function_source(reward, self.config.source_path(reward))
                 self.replicas[reward.name] = [
-                    Replica(self.backend.create(reward, i, settings), [source], settings.start_timeout_s)
+                    Replica(self.backend.create(reward, i), [source], settings.start_timeout_s, self.transport)
                     for i in range(reward.replicas)
                 ]
             everything = [r for rs in self.replicas.values() for r in rs]
@@ -101,8 +116,9 @@ class RewardSandboxes:
             with ThreadPoolExecutor(max_workers=max(1, min(16, len(everything)))) as pool:
                 list(pool.map(_stop_one, everything))
         self.replicas.clear()
-        if self.backend is not None:
+        if self.backend is not None and self._owns_backend:
             self.backend.close()
+            self.backend = None  # a later start() makes a new one
 
 
 def _start_one(replica: Replica) -> Optional[BaseException]:

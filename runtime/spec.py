@@ -1,10 +1,12 @@
 """The validated config: one YAML file holds the sandbox settings and the rewards (and, for training, the model,
-dataset, GRPO and LoRA sections; see :mod:`trainer.config`)."""
+dataset, GRPO and LoRA sections, typed in :mod:`rewardbox.trainer.config`)."""
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
@@ -17,11 +19,14 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     ValidationError,
+    create_model,
     field_validator,
     model_validator,
 )
 
+from .backends.registry import AUTO, backend_names, backend_type
 from .errors import ConfigError
+from .wire import DEFAULT_CONCURRENCY, DEFAULT_MAX_LOG_BYTES, DEFAULT_WORKERS
 
 _NAME = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
 
@@ -108,12 +113,13 @@ class RewardSpec(_Strict):
     secrets: list[str] = Field(default_factory=list, description="host environment variables passed to this reward")
     env: dict[str, str] = Field(default_factory=dict, description="plain environment variables for this reward")
     replicas: PositiveInt = 1
-    workers: PositiveInt = 2
-    concurrency: PositiveInt = Field(default=16, description="async functions: samples in flight per worker")
+    workers: PositiveInt = DEFAULT_WORKERS
+    concurrency: PositiveInt = Field(default=DEFAULT_CONCURRENCY,
+                                     description="async functions: samples in flight per worker")
     memory: str = Field(default="1g", pattern=r"^\d+(\.\d+)?[bkmgBKMG]?$")
     cpus: PositiveFloat = 1.0
     pids: PositiveInt = 256
-    max_log_bytes: PositiveInt = 64 * 1024
+    max_log_bytes: PositiveInt = DEFAULT_MAX_LOG_BYTES
 
     @field_validator("packages")
     @classmethod
@@ -133,36 +139,68 @@ class RewardSpec(_Strict):
 
 
 class SandboxSettings(_Strict):
-    """Where and how sandboxes run."""
+    """Where sandboxes run and how the host talks to them.
 
-    backend: Literal["auto", "docker", "local"] = "auto"
-    base_image: str = "python:3.11-slim"
-    runtime: Optional[str] = Field(default=None, description="container runtime, e.g. runsc for gVisor")
-    pip_args: list[str] = Field(default_factory=list, description="extra pip download args (--index-url ...)")
-    cache_dir: Optional[Path] = Field(default=None, description="wheelhouse and build cache; default ~/.cache")
+    ``backend`` names a registered backend (or ``auto``: docker when an engine answers, else an error); each
+    registered backend has a settings section of its own under its name (``sandbox.docker:``, ...), typed by the
+    backend. Validated through :func:`sandbox_settings_model`, which adds those sections.
+    """
+
+    backend: str = Field(default=AUTO, description="auto | a registered backend: docker, local, ...")
     start_timeout_s: PositiveFloat = 60.0
     rpc_grace_s: PositiveFloat = Field(default=10.0, description="added to each Score deadline")
     backoff_initial_s: PositiveFloat = 0.2
     backoff_max_s: PositiveFloat = 5.0
-    tmpfs_size: str = "64m"
-    network_mode: str = Field(default="bridge", description="docker network for rewards with network: true")
+
+    @field_validator("backend")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        names = backend_names()
+        if name != AUTO and name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"no backend named {name!r}{hint} (registered: {AUTO}, {', '.join(names)})")
+        return name
+
+    def backend_settings(self, name: str) -> BaseModel:
+        """The typed settings section of backend ``name``: as configured, else its defaults."""
+        section = getattr(self, name, None)
+        return section if section is not None else backend_type(name).settings_type()
+
+
+@lru_cache(maxsize=None)
+def _sandbox_model(names: tuple[str, ...]) -> type[SandboxSettings]:
+    sections = {name: (Optional[backend_type(name).settings_type], None) for name in names}
+    return create_model("SandboxSettings", __base__=SandboxSettings, __module__=__name__, **sections)
+
+
+def sandbox_settings_model() -> type[SandboxSettings]:
+    """SandboxSettings with one optional section per registered backend (rebuilt when the registry grows)."""
+    return _sandbox_model(tuple(backend_names()))
 
 
 class RewardboxConfig(_Strict):
-    """The whole config file. Sections used only by training are typed in trainer.config and kept as-is here."""
+    """The whole config file. The training sections are typed by rewardbox.trainer (its TrainConfig subclasses
+    this); here they are accepted as they are, so that ``rewardbox score`` and ``build`` read a training config."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, arbitrary_types_allowed=True)
 
-    sandbox: SandboxSettings = Field(default_factory=SandboxSettings)
+    sandbox: SandboxSettings = Field(default_factory=lambda: sandbox_settings_model()())
     rewards: list[RewardSpec] = Field(min_length=1)
-    model: Optional[dict[str, Any]] = None
-    dataset: Optional[dict[str, Any]] = None
-    grpo: Optional[dict[str, Any]] = None
-    lora: Optional[dict[str, Any]] = None
-    output_dir: Optional[str] = None
-    save_merged: bool = Field(default=False, description="also save the LoRA-merged model (training)")
+    model: Optional[Any] = Field(default=None, description="training: the model to train")
+    dataset: Optional[Any] = Field(default=None, description="training: the dataset")
+    grpo: Optional[Any] = Field(default=None, description="training: trl.GRPOConfig fields")
+    lora: Optional[Any] = Field(default=None, description="training: peft.LoraConfig fields")
+    output_dir: Optional[Any] = Field(default=None, description="training: where to save")
+    save_merged: bool = Field(default=False, description="training: also save the LoRA-merged model")
     base_dir: Path = Field(default=Path("."), exclude=True, description="directory sources are relative to")
     where: Where = Field(default_factory=Where, exclude=True, description="the file and key lines, for errors")
+
+    @field_validator("sandbox", mode="before")
+    @classmethod
+    def _with_backend_sections(cls, value: Any) -> Any:
+        # Nested errors keep their full location (sandbox.docker.base_image) because the sections are fields.
+        return sandbox_settings_model().model_validate(value) if isinstance(value, dict) else value
 
     @model_validator(mode="after")
     def _unique_names(self) -> "RewardboxConfig":
@@ -191,7 +229,7 @@ def format_validation_error(err: ValidationError, where: Where) -> str:
         loc = tuple(e["loc"])
         key = _location(where.prefix + loc)
         if e["type"] == "extra_forbidden":
-            lines.append(f"{where.at(*loc)}: unknown key {key!r}; check its spelling (see README 'Config')")
+            lines.append(f"{where.at(*loc)}: unknown key {key!r}; {_unknown_key_hint(where.prefix + loc)}")
         elif e["type"] == "missing":
             lines.append(f"{where.at(*loc)}: missing required key {key!r}")
         else:
@@ -199,7 +237,18 @@ def format_validation_error(err: ValidationError, where: Where) -> str:
     return "\n".join(lines)
 
 
-def parse_config(data: Any, base_dir: Path, where: Where = Where()) -> RewardboxConfig:
+def _unknown_key_hint(loc: tuple) -> str:
+    """The fix for an unknown key: where a backend's setting belongs, or the closest valid spelling."""
+    if len(loc) == 2 and loc[0] == "sandbox":
+        owners = [name for name in backend_names() if loc[1] in backend_type(name).settings_type.model_fields]
+        if owners:
+            return (f"it is a setting of the {owners[0]} backend: write it as sandbox.{owners[0]}.{loc[1]} "
+                    f"(sandbox: {{{owners[0]}: {{{loc[1]}: ...}}}})")
+    return "check its spelling (see README 'Config')"
+
+
+def parse_config(data: Any, base_dir: Path, where: Where = Where(),
+                 config_type: type[RewardboxConfig] = RewardboxConfig) -> RewardboxConfig:
     """Validates a config mapping and checks every reward's source file exists.
 
     Raises:
@@ -208,7 +257,7 @@ def parse_config(data: Any, base_dir: Path, where: Where = Where()) -> Rewardbox
     if not isinstance(data, dict):
         raise ConfigError(f"{where.file}: expected a mapping with `sandbox:` and `rewards:`, got {type(data).__name__}")
     try:
-        config = RewardboxConfig.model_validate({**data, "base_dir": base_dir})
+        config = config_type.model_validate({**data, "base_dir": base_dir})
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, where)) from None
     config.where = where

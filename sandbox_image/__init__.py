@@ -1,8 +1,12 @@
-"""The reward sandbox: the gRPC server that runs reward functions in worker processes.
+"""``rewardbox.sandbox``: the reward sandbox, installed in every sandbox image.
 
-Runs inside the Docker image (docker backend) or as a local subprocess (local backend). Depends only on grpcio,
-grpcio-health-checking, grpcio-reflection, protobuf and pebble, which is all the sandbox image installs besides
-the user's packages.
+The gRPC server (:mod:`.server`) that loads reward functions and scores samples in worker processes
+(:mod:`.pools`, :mod:`.worker`), and the Dockerfile of the sandbox image. It runs inside the Docker image (docker
+backend) or as a local subprocess (local backend) and depends only on grpcio, grpcio-health-checking,
+grpcio-reflection, protobuf, pebble and :mod:`rewardbox.wire`: all the sandbox image installs besides the user's
+packages. The host never imports it.
 """
 
-__version__ = "0.1.0"
+from ..wire import VERSION as __version__
+
+__all__ = ["__version__"]

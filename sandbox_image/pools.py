@@ -20,34 +20,21 @@ import tempfile
 import threading
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from pebble import ProcessExpired, ProcessPool
 
+from ..wire import DEFAULT_CONCURRENCY, DEFAULT_MAX_LOG_BYTES, DEFAULT_WORKERS, HARD_TIMEOUT_MARGIN_S, Status
+from ..wire import TrainerState
 from . import worker
+from .records import BatchResult, FunctionInfo, Outcome, SampleInput, WorkerConfig
 
 log = logging.getLogger("rewardbox.sandbox")
 
-DEFAULT_WORKERS = 2
-DEFAULT_CONCURRENCY = 16
-DEFAULT_MAX_LOG_BYTES = 64 * 1024
-# Slack on top of the user's timeout before a worker is killed from outside (IPC, result pickling); the import
-# happens in the pool initializer, before the task's clock starts.
-HARD_TIMEOUT_MARGIN_S = 2.0
-
 _MP_CONTEXT = multiprocessing.get_context("forkserver")
 # Workers fork from a clean server process that never ran gRPC threads; preloading keeps the fork cheap.
-_MP_CONTEXT.set_forkserver_preload(["sandbox_image.worker"])
-
-
-@dataclass
-class BatchResult:
-    outcomes: list
-    logs: str = ""
-    dropped: int = 0
-    workers_replaced: int = 0
-    isolated_reruns: int = 0
+_MP_CONTEXT.set_forkserver_preload([worker.__name__])
 
 
 @dataclass
@@ -61,7 +48,7 @@ class FunctionPool:
     source_sha256: str
     workers: int
     concurrency: int
-    info: dict = field(default_factory=dict)
+    info: FunctionInfo = FunctionInfo(is_async=False)  # until describe() asked a worker
     pool: Optional[ProcessPool] = None
     registry_dir: str = ""
     in_flight: int = 0  # Score requests using this version (all on the server's event loop: no lock needed)
@@ -82,16 +69,16 @@ class FunctionPool:
     ) -> "FunctionPool":
         # Worker pids are registered here; the local backend kills their process groups when it stops us.
         registry_dir = tempfile.mkdtemp(prefix=f"{name[:20]}-", dir=os.environ.get("REWARDBOX_STATE_DIR"))
-        config = {
-            "name": name,
-            "filename": filename,
-            "source": source,
-            "function": function,
-            "style": style,
-            "concurrency": concurrency or DEFAULT_CONCURRENCY,
-            "max_log_bytes": max_log_bytes or DEFAULT_MAX_LOG_BYTES,
-            "registry_dir": registry_dir,
-        }
+        config = WorkerConfig(
+            name=name,
+            filename=filename,
+            source=source,
+            function=function,
+            style=style,
+            concurrency=concurrency or DEFAULT_CONCURRENCY,
+            max_log_bytes=max_log_bytes or DEFAULT_MAX_LOG_BYTES,
+            registry_dir=registry_dir,
+        )
         n = workers or DEFAULT_WORKERS
         pool = ProcessPool(max_workers=n, initializer=worker.init_worker, initargs=(config,), context=_MP_CONTEXT)
         return cls(
@@ -101,12 +88,12 @@ class FunctionPool:
             style=style,
             source_sha256=hashlib.sha256(source.encode()).hexdigest(),
             workers=n,
-            concurrency=config["concurrency"],
+            concurrency=config.concurrency,
             pool=pool,
             registry_dir=registry_dir,
         )
 
-    async def describe(self, timeout_s: float = 60.0) -> dict:
+    async def describe(self, timeout_s: float = 60.0) -> FunctionInfo:
         """Checks the function as a worker loaded it (workers import in their initializer, before any task).
 
         Raises:
@@ -126,7 +113,7 @@ class FunctionPool:
                                    "the memory limit at import time)") from None
         return self.info
 
-    async def score(self, items: list, timeout_s: float, state: Optional[dict]) -> BatchResult:
+    async def score(self, items: list[SampleInput], timeout_s: float, state: Optional[TrainerState]) -> BatchResult:
         """Scores items across the workers; one outcome per item, in order. Never raises for user-code failures."""
         if not items:
             return BatchResult([])
@@ -138,56 +125,52 @@ class FunctionPool:
             if self.retiring and self.in_flight == 0:
                 self.close(wait=True)
 
-    async def _score(self, items: list, timeout_s: float, state: Optional[dict]) -> BatchResult:
+    async def _score(self, items: list, timeout_s: float, state: Optional[TrainerState]) -> BatchResult:
         # A batch-style function sees exactly the batch it was given (TRL rewards may compare within it).
         n_chunks = 1 if self.style == "batch" else min(self.workers, len(items))
         bounds = [round(i * len(items) / n_chunks) for i in range(n_chunks + 1)]
         chunks = [items[a:b] for a, b in zip(bounds, bounds[1:])]
-        results = await asyncio.gather(*(self._score_chunk(c, timeout_s, state) for c in chunks))
-        merged = BatchResult([])
-        for r in results:
-            merged.outcomes.extend(r.outcomes)
-            merged.logs += r.logs
-            merged.dropped += r.dropped
-            merged.workers_replaced += r.workers_replaced
-            merged.isolated_reruns += r.isolated_reruns
+        merged = BatchResult()
+        for result in await asyncio.gather(*(self._score_chunk(c, timeout_s, state) for c in chunks)):
+            merged.add(result)
         return merged
 
     def _hard_timeout(self, n: int, timeout_s: float) -> float:
         if self.style == "batch":
             per_call = 1
-        elif self.info.get("is_async"):
+        elif self.info.is_async:
             per_call = -(-n // max(1, self.concurrency))
         else:
             per_call = n
         return per_call * timeout_s + HARD_TIMEOUT_MARGIN_S
 
-    async def _run(self, items: list, timeout_s: float, state: Optional[dict]):
+    async def _run(self, items: list, timeout_s: float, state: Optional[TrainerState]):
+        """(ChunkResult, None) when the worker answered, else (None, the Outcome of a killed or dead worker)."""
         future = self.pool.schedule(
             worker.score_task, args=(items, timeout_s, state), timeout=self._hard_timeout(len(items), timeout_s)
         )
         try:
             return await asyncio.wrap_future(future), None
         except FutureTimeout:
-            return None, (None, worker.TIMEOUT, f"exceeded timeout_s={timeout_s:g}; the worker was killed")
+            return None, Outcome.failed(Status.TIMEOUT, f"exceeded timeout_s={timeout_s:g}; the worker was killed")
         except ProcessExpired as e:
-            return None, (None, worker.CRASH, f"worker process died (exit code {e.exitcode}, {_signal_name(e)})")
+            return None, Outcome.failed(Status.CRASH,
+                                        f"worker process died (exit code {e.exitcode}, {_signal_name(e)})")
 
-    async def _score_chunk(self, items: list, timeout_s: float, state: Optional[dict]) -> BatchResult:
+    async def _score_chunk(self, items: list, timeout_s: float, state: Optional[TrainerState]) -> BatchResult:
         done, failed = await self._run(items, timeout_s, state)
         if done is not None:
-            return BatchResult(*done)
+            result = BatchResult()
+            result.add(done)
+            return result
         self.reap_orphans()
         if len(items) == 1:
             return BatchResult([failed], workers_replaced=1)
         singles = await asyncio.gather(*(self._run([item], timeout_s, state) for item in items))
-        result = BatchResult([], workers_replaced=1, isolated_reruns=len(items))
+        result = BatchResult(workers_replaced=1, isolated_reruns=len(items))
         for single_done, single_failed in singles:
             if single_done is not None:
-                outcomes, logs, dropped = single_done
-                result.outcomes.extend(outcomes)
-                result.logs += logs
-                result.dropped += dropped
+                result.add(single_done)
             else:
                 result.outcomes.append(single_failed)
                 result.workers_replaced += 1

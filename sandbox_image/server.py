@@ -1,7 +1,7 @@
-"""The reward sandbox gRPC server: ``python -m sandbox_image.server --listen unix:///run/rewardbox/grpc.sock``.
+"""The reward sandbox gRPC server: ``python -m rewardbox.sandbox.server --listen unix:///run/rewardbox/grpc.sock``.
 
 The same server runs inside a Docker container (docker backend) and as a plain subprocess (local backend).
-User code never runs in this process: it runs in worker processes (see :mod:`sandbox_image.pools`).
+User code never runs in this process: it runs in worker processes (see :mod:`rewardbox.sandbox.pools`).
 """
 
 from __future__ import annotations
@@ -23,28 +23,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from ..wire import GRPC_OPTIONS, SERVICE_NAME, trainer_state_from_wire
+from ..wire.pb import reward_pb2 as pb
+from ..wire.pb import reward_pb2_grpc as pb_grpc
 from . import __version__, worker
-from .pb import reward_pb2 as pb
-from .pb import reward_pb2_grpc as pb_grpc
 from .pools import FunctionPool
+from .records import SampleInput
 
 log = logging.getLogger("rewardbox.sandbox")
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RewardSandbox"].full_name
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
-
 _STYLE_NAMES = {pb.STYLE_SAMPLE: "sample", pb.STYLE_BATCH: "batch"}
-_STATUS = {
-    worker.OK: pb.STATUS_OK,
-    worker.ERROR: pb.STATUS_ERROR,
-    worker.TIMEOUT: pb.STATUS_TIMEOUT,
-    worker.CRASH: pb.STATUS_CRASH,
-    worker.INVALID: pb.STATUS_INVALID,
-}
 
 
 def _info(fp: FunctionPool) -> pb.FunctionInfo:
@@ -53,11 +41,11 @@ def _info(fp: FunctionPool) -> pb.FunctionInfo:
         filename=fp.filename,
         function=fp.function,
         style=pb.STYLE_BATCH if fp.style == "batch" else pb.STYLE_SAMPLE,
-        is_async=fp.info.get("is_async", False),
-        signature=fp.info.get("signature", ""),
+        is_async=fp.info.is_async,
+        signature=fp.info.signature,
         source_sha256=fp.source_sha256,
-        accepted_keywords=fp.info.get("accepted_keywords", []),
-        accepts_var_keywords=fp.info.get("accepts_var_keywords", False),
+        accepted_keywords=list(fp.info.accepted_keywords),
+        accepts_var_keywords=fp.info.accepts_var_keywords,
     )
 
 
@@ -122,19 +110,16 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "timeout_s must be positive")
         started = time.monotonic()
         items = [
-            (s.prompt, s.completion, dict(s.example), s.prompt_messages_json, s.completion_messages_json)
+            SampleInput(s.prompt, s.completion, dict(s.example), s.prompt_messages_json, s.completion_messages_json)
             for s in request.samples
         ]
-        state = None
-        if request.has_trainer_state:
-            ts = request.trainer_state
-            state = {"global_step": ts.global_step, "max_steps": ts.max_steps, "epoch": ts.epoch}
+        state = trainer_state_from_wire(request.trainer_state) if request.has_trainer_state else None
         result = await fp.score(items, request.timeout_s, state)
         scores = [
-            pb.Score(value=value, status=_STATUS[status], error=error)
-            if value is not None
-            else pb.Score(status=_STATUS[status], error=error)
-            for value, status, error in result.outcomes
+            pb.Score(value=o.value, status=o.status.wire, error=o.error)
+            if o.value is not None
+            else pb.Score(status=o.status.wire, error=o.error)
+            for o in result.outcomes
         ]
         logs = result.logs
         if result.dropped:
@@ -207,7 +192,7 @@ async def serve(listen: str, parent_pid: Optional[int] = None, grace_s: float = 
 
 
 def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sandbox_image.server", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m rewardbox.sandbox.server", description=__doc__)
     parser.add_argument("--listen", required=True, help="unix:///path/to.sock or host:port")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is no longer our parent")
     args = parser.parse_args(argv)

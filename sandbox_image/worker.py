@@ -3,9 +3,11 @@
 A worker holds exactly one function version (set by :func:`init_worker`, the pool's initializer) and imports its
 module once, on first use. Each task scores a *chunk* of samples in one go: soft per-sample timeouts come from
 ``SIGALRM`` (sync code) or ``asyncio.wait`` (async code); anything that escapes them (a crash, a hang in C code)
-is handled by the server, which kills the worker and re-runs the chunk one sample per task.
+is handled by the server, which kills the worker and re-runs the chunk one sample per task. What crosses to and
+from the server is one of the typed records of :mod:`rewardbox.sandbox.records`.
 
-Only the standard library is imported here: this module is preloaded into the fork server.
+Only the standard library (and the standard-library-only parts of rewardbox.wire) is imported here: this module is
+preloaded into the fork server.
 """
 
 from __future__ import annotations
@@ -26,14 +28,11 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-OK, ERROR, TIMEOUT, CRASH, INVALID = "ok", "error", "timeout", "crash", "invalid"
+from ..wire import Status, TrainerState
+from .records import ChunkResult, FunctionInfo, Outcome, SampleInput, WorkerConfig
+
 # Optional keywords a reward function may declare to receive.
 OPTIONAL_KEYWORDS = ("trainer_state", "prompt_messages", "completion_messages")
-
-# (prompt, completion, example, prompt_messages_json, completion_messages_json)
-Item = tuple
-# (value or None, status, error text)
-Outcome = tuple
 
 
 class LoadError(Exception):
@@ -45,39 +44,23 @@ class _SampleTimeout(BaseException):
 
 
 @dataclass(frozen=True)
-class TrainerState:
-    """What a reward sees of training progress, by attribute (``state.global_step``) or key (``state["epoch"]``)."""
+class _Loaded:
+    """The function a worker serves, with what its signature accepts."""
 
-    global_step: int = 0
-    max_steps: int = 0
-    epoch: float = 0.0
-
-    def __getitem__(self, key: str) -> Any:
-        return getattr(self, key)
+    fn: Callable
+    info: FunctionInfo
 
 
-@dataclass(frozen=True)
-class _Config:
-    name: str
-    filename: str
-    source: str
-    function: str
-    style: str  # "sample" | "batch"
-    concurrency: int
-    max_log_bytes: int
-    registry_dir: str
-
-
-_CONFIG: Optional[_Config] = None
-_LOADED: Optional[tuple] = None  # (fn, is_async, accepted keywords, accepts **kwargs, signature text)
+_CONFIG: Optional[WorkerConfig] = None
+_LOADED: Optional[_Loaded] = None
 _LOAD_ERROR: Optional[LoadError] = None
 
 
-def init_worker(config: dict) -> None:
+def init_worker(config: WorkerConfig) -> None:
     """Pool initializer: imports the reward module in every worker before it takes a task, so that a slow import
     never counts against a call's timeout. Never raises: an import error is kept and reported on use."""
     global _CONFIG
-    _CONFIG = _Config(**config)
+    _CONFIG = config
     # A process group of our own lets the server kill whatever this worker forked once the worker is gone.
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
@@ -101,7 +84,7 @@ def _user_line(exc: BaseException, filename: str) -> str:
     return f"{filename}:{line}" if line else filename
 
 
-def load_module(config: _Config) -> types.ModuleType:
+def load_module(config: WorkerConfig) -> types.ModuleType:
     """Imports the reward's source text as a module.
 
     Raises:
@@ -135,11 +118,9 @@ def _is_async(fn: Callable) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
-def resolve_function(config: _Config, module: types.ModuleType) -> tuple:
+def resolve_function(config: WorkerConfig, module: types.ModuleType) -> _Loaded:
     """Finds the function and checks its signature against its style.
 
-    Returns:
-        (fn, is_async, accepted optional keywords, accepts **kwargs, signature text)
     Raises:
         LoadError: missing attribute, not callable, or a signature that does not fit the style.
     """
@@ -176,11 +157,11 @@ def resolve_function(config: _Config, module: types.ModuleType) -> tuple:
                 f"{where}: {config.function}{sig} does not fit style 'batch': it must accept `completions` "
                 "(and usually `prompts` and **kwargs). For fn(prompt, completion, example) set `style: sample`."
             )
-    accepted = [k for k in OPTIONAL_KEYWORDS if k in named or var_kw]
-    return fn, _is_async(fn), accepted, var_kw, f"{config.function}{sig}"
+    accepted = tuple(k for k in OPTIONAL_KEYWORDS if k in named or var_kw)
+    return _Loaded(fn, FunctionInfo(_is_async(fn), accepted, var_kw, f"{config.function}{sig}"))
 
 
-def _loaded() -> tuple:
+def _loaded() -> _Loaded:
     """The loaded function (imported once per worker). Raises the LoadError of a failed import, every time."""
     global _LOADED, _LOAD_ERROR
     if _LOADED is None:
@@ -195,10 +176,9 @@ def _loaded() -> tuple:
     return _LOADED
 
 
-def describe_task() -> dict:
+def describe_task() -> FunctionInfo:
     """Describes the function this worker loaded. Raises LoadError when it cannot be used."""
-    _, is_async, accepted, var_kw, signature = _loaded()
-    return {"is_async": is_async, "accepted_keywords": accepted, "accepts_var_keywords": var_kw, "signature": signature}
+    return _loaded().info
 
 
 class _BoundedWriter(io.TextIOBase):
@@ -224,63 +204,71 @@ class _BoundedWriter(io.TextIOBase):
 
 def _check(value: Any) -> Outcome:
     if value is None:
-        return None, OK, ""
+        return Outcome.ok(None)
     if isinstance(value, numbers.Real):  # int, bool (1.0/0.0, as TRL takes them), numpy scalars
         f = float(value)
         if math.isfinite(f):
-            return f, OK, ""
-        return None, INVALID, f"returned {f}; expected a finite float or None"
+            return Outcome.ok(f)
+        return Outcome.failed(Status.INVALID, f"returned {f}; expected a finite float or None")
     shown = repr(value)
     shown = shown if len(shown) <= 80 else shown[:77] + "..."
-    return None, INVALID, f"returned {type(value).__name__} {shown}; expected a finite float or None"
+    return Outcome.failed(Status.INVALID, f"returned {type(value).__name__} {shown}; expected a finite float or None")
 
 
 def _error(exc: BaseException) -> Outcome:
     if isinstance(exc, SystemExit):
-        return None, ERROR, f"SystemExit({exc.code!r}) raised by the reward function"
+        return Outcome.failed(Status.ERROR, f"SystemExit({exc.code!r}) raised by the reward function")
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return None, ERROR, text[-4000:]
+    return Outcome.failed(Status.ERROR, text[-4000:])
+
+
+def _timeout(timeout_s: float) -> Outcome:
+    return Outcome.failed(Status.TIMEOUT, f"exceeded timeout_s={timeout_s:g}")
 
 
 def _messages(text: str) -> Any:
     return json.loads(text) if text else None
 
 
-def _sample_call(item: Item, state: Optional[TrainerState]):
-    fn, _, accepted, _, _ = _loaded()
-    prompt, completion, example, pm, cm = item
+def _sample_call(item: SampleInput, state: Optional[TrainerState]):
+    loaded = _loaded()
+    accepted = loaded.info.accepted_keywords
     kw = {}
     if "trainer_state" in accepted:
         kw["trainer_state"] = state
     if "prompt_messages" in accepted:
-        kw["prompt_messages"] = _messages(pm)
+        kw["prompt_messages"] = _messages(item.prompt_messages_json)
     if "completion_messages" in accepted:
-        kw["completion_messages"] = _messages(cm)
-    return fn(prompt, completion, dict(example), **kw)
+        kw["completion_messages"] = _messages(item.completion_messages_json)
+    return loaded.fn(item.prompt, item.completion, dict(item.example), **kw)
 
 
 def _batch_kwargs(items: list, state: Optional[TrainerState]) -> dict:
-    fn, _, accepted, var_kw, _ = _loaded()
+    loaded = _loaded()
     kw: dict = {
-        "prompts": [_messages(pm) if pm else p for p, _, _, pm, _ in items],
-        "completions": [_messages(cm) if cm else c for _, c, _, _, cm in items],
+        "prompts": [_messages(s.prompt_messages_json) if s.prompt_messages_json else s.prompt for s in items],
+        "completions": [
+            _messages(s.completion_messages_json) if s.completion_messages_json else s.completion for s in items
+        ],
     }
-    for column in items[0][2] if items else ():
-        kw[column] = [example.get(column, "") for _, _, example, _, _ in items]
-    if "trainer_state" in accepted:
+    for column in items[0].example if items else ():
+        kw[column] = [s.example.get(column, "") for s in items]
+    if "trainer_state" in loaded.info.accepted_keywords:
         kw["trainer_state"] = state
-    if not var_kw:
-        params = inspect.signature(fn).parameters
+    if not loaded.info.accepts_var_keywords:
+        params = inspect.signature(loaded.fn).parameters
         kw = {k: v for k, v in kw.items() if k in params}
     return kw
 
 
 def _batch_outcomes(result: Any, n: int) -> list:
     if not isinstance(result, (list, tuple)) and not hasattr(result, "tolist"):
-        return [(None, INVALID, f"batch reward returned {type(result).__name__}; expected a list of {n} floats")] * n
+        failed = Outcome.failed(Status.INVALID, f"batch reward returned {type(result).__name__}; expected a list "
+                                                f"of {n} floats")
+        return [failed] * n
     values = list(result.tolist() if hasattr(result, "tolist") else result)
     if len(values) != n:
-        return [(None, INVALID, f"batch reward returned {len(values)} values for {n} samples")] * n
+        return [Outcome.failed(Status.INVALID, f"batch reward returned {len(values)} values for {n} samples")] * n
     return [_check(v) for v in values]
 
 
@@ -294,12 +282,12 @@ def _run_sync(items: list, timeout_s: float, state: Optional[TrainerState], styl
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
         except _SampleTimeout:
-            return None, (None, TIMEOUT, f"exceeded timeout_s={timeout_s:g}")
+            return None, _timeout(timeout_s)
         except BaseException as e:  # noqa: BLE001 - user code may raise anything, SystemExit included
             return None, _error(e)
 
     if style == "batch":
-        value, failed = timed(lambda: _loaded()[0](**_batch_kwargs(items, state)))
+        value, failed = timed(lambda: _loaded().fn(**_batch_kwargs(items, state)))
         return [failed] * len(items) if failed else _batch_outcomes(value, len(items))
     outcomes = []
     for item in items:
@@ -313,7 +301,7 @@ async def _await_bounded(coro, timeout_s: float) -> tuple:
     done, _ = await asyncio.wait({task}, timeout=timeout_s)
     if not done:
         task.cancel()
-        return None, (None, TIMEOUT, f"exceeded timeout_s={timeout_s:g}")
+        return None, _timeout(timeout_s)
     try:
         return task.result(), None
     except BaseException as e:  # noqa: BLE001
@@ -322,11 +310,11 @@ async def _await_bounded(coro, timeout_s: float) -> tuple:
 
 async def _run_async(items: list, timeout_s: float, state: Optional[TrainerState], style: str, limit: int) -> list:
     if style == "batch":
-        value, failed = await _await_bounded(_loaded()[0](**_batch_kwargs(items, state)), timeout_s)
+        value, failed = await _await_bounded(_loaded().fn(**_batch_kwargs(items, state)), timeout_s)
         return [failed] * len(items) if failed else _batch_outcomes(value, len(items))
     gate = asyncio.Semaphore(limit)
 
-    async def one(item: Item) -> Outcome:
+    async def one(item: SampleInput) -> Outcome:
         async with gate:
             try:
                 coro = _sample_call(item, state)
@@ -338,20 +326,15 @@ async def _run_async(items: list, timeout_s: float, state: Optional[TrainerState
     return list(await asyncio.gather(*(one(item) for item in items)))
 
 
-def score_task(items: list, timeout_s: float, state: Optional[dict]) -> tuple:
-    """Scores a chunk of samples in this worker.
-
-    Returns:
-        (outcomes, logs, dropped): one (value, status, error) per item, what the calls printed (bounded), and how
-        many characters of output were dropped.
-    """
+def score_task(items: list, timeout_s: float, trainer_state: Optional[TrainerState]) -> ChunkResult:
+    """Scores a chunk of samples (:class:`SampleInput`) in this worker: one :class:`Outcome` per sample, in order,
+    with what the calls printed (bounded)."""
     assert _CONFIG is not None
-    trainer_state = TrainerState(**state) if state is not None else None
     sink = _BoundedWriter(_CONFIG.max_log_bytes)
     try:
-        is_async = _loaded()[1]
+        is_async = _loaded().info.is_async
     except LoadError as e:  # this worker's own import failed although another's succeeded: report, do not die
-        return [(None, ERROR, str(e))] * len(items), "", 0
+        return ChunkResult([Outcome.failed(Status.ERROR, str(e))] * len(items))
     try:
         with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
             if is_async:
@@ -362,7 +345,7 @@ def score_task(items: list, timeout_s: float, state: Optional[dict]) -> tuple:
                 outcomes = _run_sync(items, timeout_s, trainer_state, _CONFIG.style)
     finally:
         _kill_leftover_children()
-    return outcomes, sink.text(), sink.dropped
+    return ChunkResult(outcomes, sink.text(), sink.dropped)
 
 
 def proc_stat(pid: int) -> Optional[list]:

@@ -9,7 +9,7 @@ from typing import Callable
 import pytest
 import yaml
 
-from runtime import BackendError, RewardSandboxes, load_config
+from rewardbox import BackendError, RewardSandboxes, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # (scripts/test.sh) installs and starts one, and CI must prove the Docker backend works.
 @pytest.fixture(scope="session")
 def docker_client():
-    from runtime.backends.docker import engine_client
+    from rewardbox.backends.docker import engine_client
 
     try:
         return engine_client()
@@ -29,9 +29,9 @@ def docker_client():
 @pytest.fixture(scope="session")
 def base_image(docker_client) -> str:
     """The offline base (debootstrap + import), built once when missing: no registry is needed."""
-    from runtime.image import OFFLINE_BASE, ImageBuilder
+    from rewardbox.base_image import OFFLINE_BASE, BaseImageResolver
 
-    ImageBuilder(docker_client).base_image_id(OFFLINE_BASE)
+    BaseImageResolver(docker_client).ensure(OFFLINE_BASE)
     return OFFLINE_BASE
 
 
@@ -60,6 +60,14 @@ def write_config(tmp_path: Path) -> Callable[..., Path]:
     return write
 
 
+def merged(base: dict, extra: dict | None) -> dict:
+    """``base`` updated with ``extra``, one level of sections deep (``{"docker": {...}}`` adds to base's docker)."""
+    out = dict(base)
+    for key, value in (extra or {}).items():
+        out[key] = {**out[key], **value} if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 async def no_sleep(seconds: float) -> None:
     """Tenacity's sleep in tests: record, do not wait."""
     no_sleep.calls.append(seconds)
@@ -68,14 +76,16 @@ async def no_sleep(seconds: float) -> None:
 no_sleep.calls = []
 
 
-def started_sandboxes(write_config, sandbox_defaults: dict, backend_factory=lambda: None):
-    """Yields start(rewards, sandbox=None) -> started RewardSandboxes; stops every one of them afterwards."""
+def started_sandboxes(write_config, sandbox_defaults: dict, backend_factory=lambda config: None):
+    """Yields start(rewards, sandbox=None) -> started RewardSandboxes; stops every one of them afterwards.
+    ``backend_factory(config)`` makes the backend (None: the one the config names)."""
     started = []
 
     def start(rewards: list[dict], sandbox: dict | None = None) -> RewardSandboxes:
         no_sleep.calls = []
-        path = write_config(rewards, {**sandbox_defaults, **(sandbox or {})})
-        s = RewardSandboxes(load_config(path), backend=backend_factory(), sleep=no_sleep)
+        path = write_config(rewards, merged(sandbox_defaults, sandbox))
+        config = load_config(path)
+        s = RewardSandboxes(config, backend=backend_factory(config), sleep=no_sleep)
         s.start()
         started.append(s)
         return s

@@ -1,4 +1,5 @@
-"""GRPO training on reward sandboxes: ``train("config.yaml")`` or ``rewardbox train config.yaml``."""
+"""``rewardbox.trainer``: GRPO training on reward sandboxes, ``train("config.yaml")`` or ``rewardbox train
+config.yaml``. Needs the ``train`` extra (torch, transformers, trl, peft, datasets, accelerate)."""
 
 from .config import TrainConfig, load_train_config, parse_train_config
 from .run import TrainResult, train

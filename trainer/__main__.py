@@ -1,8 +1,8 @@
-"""``python -m trainer CONFIG.yaml [--section.key VALUE ...]``: the same as ``rewardbox train``."""
+"""``python -m rewardbox.trainer CONFIG.yaml [--section.key VALUE ...]``: the same as ``rewardbox train``."""
 
 import sys
 
-from runtime.cli import app
+from ..cli import app
 
 if __name__ == "__main__":
-    sys.exit(app(["train", *sys.argv[1:]], prog_name="python -m trainer"))
+    sys.exit(app(["train", *sys.argv[1:]], prog_name="python -m rewardbox.trainer"))

@@ -13,12 +13,12 @@ from typing import Optional
 
 from transformers import TrainerCallback
 
-from runtime import RewardboxError, RewardLoadError, RewardSandboxes
-from runtime.client import STATUSES, ScoreReport
+from ..client import ScoreReport
+from ..errors import RewardboxError, RewardLoadError
+from ..session import RewardSandboxes
+from ..wire import Status
 
 log = logging.getLogger("rewardbox")
-
-
 
 class RewardLog:
     """Appends one JSON line per scored batch and per reward event to ``reward_logs.jsonl``."""
@@ -41,7 +41,7 @@ class RewardLog:
             "reward": report.name,
             "samples": len(report.values),
             "mean": sum(scored) / len(scored) if scored else None,
-            "statuses": {s: report.count(s) for s in STATUSES if report.count(s)},
+            "statuses": {s.value: report.count(s) for s in Status if report.count(s)},
             "latency_s": round(report.latency_s, 4),
             "attempts": report.attempts,
             "workers_replaced": report.workers_replaced,

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from runtime.errors import ConfigError
-from runtime.spec import RewardboxConfig, Where, format_validation_error, parse_config, read_yaml_file, yaml_load
+from ..errors import ConfigError
+from ..spec import RewardboxConfig, Where, parse_config, read_yaml_file, yaml_load
 
 BUILTIN_TINY = "builtin:tiny"
 
@@ -40,26 +40,16 @@ class DatasetSection(_Strict):
     limit: Optional[int] = Field(default=None, gt=0, description="use the first N rows")
 
 
-class TrainConfig(BaseModel):
-    """Everything ``rewardbox train`` needs, validated before anything starts."""
+class TrainConfig(RewardboxConfig):
+    """Everything ``rewardbox train`` needs, validated before anything starts: the sandbox and rewards sections of
+    :class:`~rewardbox.RewardboxConfig` (so it starts sandboxes as it is) with the training sections typed."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
-
-    rewards: RewardboxConfig
-    model: ModelSection
-    dataset: DatasetSection
-    grpo: dict[str, Any]
-    lora: Optional[dict[str, Any]]
-    output_dir: Path
-    save_merged: bool = False
-
-    @property
-    def base_dir(self) -> Path:
-        return self.rewards.base_dir
-
-    @property
-    def where(self) -> Where:
-        return self.rewards.where
+    model: ModelSection = Field(default_factory=ModelSection)
+    dataset: DatasetSection = Field(description="the dataset to train on (at least `dataset: {path: ...}`)")
+    grpo: dict[str, Any] = Field(default_factory=dict, description="trl.GRPOConfig fields")
+    lora: Optional[dict[str, Any]] = Field(default=None, description="peft.LoraConfig fields; none: full fine-tuning")
+    output_dir: Path = Path("outputs/rewardbox-grpo")
+    save_merged: bool = Field(default=False, description="also save the LoRA-merged model")
 
 
 def _parse_value(text: str) -> Any:
@@ -115,30 +105,20 @@ def _check_fields(section: str, values: dict, cls: type, where: Where, reserved:
 
 def parse_train_config(data: Any, base_dir: Path, where: Where = Where()) -> TrainConfig:
     """Validates every section. Raises ConfigError naming the file, line and key (or the reward file) at fault."""
-    rewards = parse_config(data, base_dir, where)
-    if rewards.dataset is None:
+    if isinstance(data, dict) and data.get("dataset") is None:
         raise ConfigError(f"{where.file}: missing required section 'dataset' (at least `dataset: {{path: ...}}`)")
-    try:
-        model = ModelSection.model_validate(rewards.model or {})
-    except ValidationError as e:
-        raise ConfigError(format_validation_error(e, where.section("model"))) from None
-    try:
-        dataset = DatasetSection.model_validate(rewards.dataset)
-    except ValidationError as e:
-        raise ConfigError(format_validation_error(e, where.section("dataset"))) from None
-    grpo = dict(rewards.grpo or {})
+    if isinstance(data, dict):  # `grpo:` or `model:` with nothing under it reads as null: an empty section
+        data = {**data, **{k: {} for k in ("model", "grpo") if k in data and data[k] is None}}
+    cfg = parse_config(data, base_dir, where, config_type=TrainConfig)
     from trl import GRPOConfig
 
-    _check_fields("grpo", grpo, GRPOConfig, where, reserved={"reward_weights": "from each reward's weight",
-                                                             "output_dir": "top-level output_dir"})
-    lora = rewards.lora
-    if lora is not None:
+    _check_fields("grpo", cfg.grpo, GRPOConfig, where, reserved={"reward_weights": "from each reward's weight",
+                                                                 "output_dir": "top-level output_dir"})
+    if cfg.lora is not None:
         from peft import LoraConfig
 
-        _check_fields("lora", lora, LoraConfig, where)
-    return TrainConfig(rewards=rewards, model=model, dataset=dataset, grpo=grpo, lora=lora,
-                       output_dir=Path(rewards.output_dir or "outputs/rewardbox-grpo"),
-                       save_merged=rewards.save_merged)
+        _check_fields("lora", cfg.lora, LoraConfig, where)
+    return cfg
 
 
 def load_train_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:

@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from runtime import ConfigError, RewardSandboxes
-from runtime.backends import Backend
-from runtime.image import default_cache_dir
-from runtime.spec import Where
+from ..backends import Backend
+from ..errors import ConfigError
+from ..image import default_cache_dir
+from ..session import RewardSandboxes
+from ..spec import Where
 
 from .callbacks import RewardLog, RewardPlotCallback, RewardReloadCallback
 from .config import BUILTIN_TINY, DatasetSection, ModelSection, TrainConfig, load_train_config
@@ -115,7 +116,7 @@ def grpo_args(cfg: TrainConfig):
     if not torch.cuda.is_available():
         defaults.update(use_cpu=True, bf16=False)  # GRPOConfig defaults to bf16, which needs a GPU
     try:
-        return GRPOConfig(output_dir=str(cfg.output_dir), reward_weights=[r.weight for r in cfg.rewards.rewards],
+        return GRPOConfig(output_dir=str(cfg.output_dir), reward_weights=[r.weight for r in cfg.rewards],
                           **{**defaults, **cfg.grpo})
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{cfg.where.at('grpo')}: grpo: {e}") from None
@@ -147,10 +148,11 @@ def train(
     train_ds, eval_ds = load_datasets(cfg.dataset, cfg.base_dir, cfg.where)
     state = PartialState()
     output_dir.mkdir(parents=True, exist_ok=True)
-    sandboxes = RewardSandboxes(cfg.rewards, backend=backend)
+    sandboxes = RewardSandboxes(cfg, backend=backend)
     try:
-        # Rank 0 builds the images first; the other ranks then find them cached. Ranks do not share containers.
-        with state.main_process_first():
+        # On each node the local rank 0 builds the images first; that node's other ranks then find them cached.
+        # (Images live in each node's engine, so every node builds its own, once.) Ranks do not share containers.
+        with state.local_main_process_first():
             sandboxes.start()
         log.info("rank %d of %d: %d reward sandbox(es) running on the %s backend", state.process_index,
                  state.num_processes, sum(len(r) for r in sandboxes.replicas.values()), sandboxes.backend.name)

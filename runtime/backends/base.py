@@ -1,19 +1,30 @@
-"""The backend seam: a Backend makes Sandboxes; a Sandbox is one running sandbox server with a gRPC address.
+"""The backend seam: a Backend makes Sandboxes; a Sandbox is one running sandbox server with an Endpoint.
 
 Lifecycle calls are synchronous (subprocess and docker-py are); the async scoring path wraps them once, in
-:class:`runtime.client.Replica`, with ``asyncio.to_thread``.
+:class:`rewardbox.replica.Replica`, with ``asyncio.to_thread``.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict
 
 from ..errors import BackendError
-from ..spec import RewardSpec, SandboxSettings
+
+if TYPE_CHECKING:
+    from ..spec import RewardSpec
+    from ..transport import Endpoint
 
 
-def reward_environment(reward: RewardSpec) -> dict[str, str]:
+class BackendSettings(BaseModel):
+    """Base of a backend's settings section (``sandbox.<backend name>:`` in the config): unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def reward_environment(reward: "RewardSpec") -> dict[str, str]:
     """The environment a reward's sandboxes get: exactly its named host secrets, plus its plain ``env``.
 
     Raises:
@@ -35,8 +46,8 @@ class Sandbox(Protocol):
     name: str
 
     @property
-    def address(self) -> str:
-        """gRPC target, e.g. ``unix:///tmp/rbx-x/grpc.sock``."""
+    def endpoint(self) -> "Endpoint":
+        """Where its gRPC service answers (target and credentials); stable across restarts."""
 
     def start(self) -> None:
         """Launches the server; returns without waiting for it to be healthy.
@@ -49,7 +60,7 @@ class Sandbox(Protocol):
         """Whether the process/container is still running."""
 
     def restart(self) -> None:
-        """Stops (if needed) and launches again at the same address."""
+        """Stops (if needed) and launches again at the same endpoint."""
 
     def stop(self) -> None:
         """Stops and removes everything it started. Idempotent."""
@@ -60,14 +71,16 @@ class Sandbox(Protocol):
 
 @runtime_checkable
 class Backend(Protocol):
+    """Where sandboxes run. Made from its settings section by its registered factory."""
+
     name: str
     isolated: bool  # False: reward code runs with the trainer's rights
 
-    def prepare(self, rewards: Sequence[RewardSpec], settings: SandboxSettings) -> None:
+    def prepare(self, rewards: Sequence["RewardSpec"]) -> None:
         """Everything before sandboxes start (image builds). Raises ImageBuildError naming the package."""
 
-    def create(self, reward: RewardSpec, replica: int, settings: SandboxSettings) -> Sandbox:
+    def create(self, reward: "RewardSpec", replica: int) -> Sandbox:
         """A not-yet-started sandbox for one replica of a reward."""
 
     def close(self) -> None:
-        """Releases backend resources (sandboxes are stopped by their owner)."""
+        """Releases what the backend created itself (sandboxes are stopped by their owner)."""

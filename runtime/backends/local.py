@@ -1,5 +1,6 @@
-"""The ``local`` backend: the sandbox server as a plain subprocess. No isolation: for trusted code and machines
-without Docker. Only the environment variables a reward names in ``secrets`` reach it, as with Docker."""
+"""The ``local`` backend: the sandbox server as a plain subprocess of this Python. No isolation: for trusted code
+and machines without Docker, chosen only explicitly (``sandbox.backend: local``). Only the environment variables a
+reward names in ``secrets`` reach it, as with Docker."""
 
 from __future__ import annotations
 
@@ -15,13 +16,24 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ..errors import BackendError
-from ..spec import RewardSpec, SandboxSettings
-from .base import reward_environment
+from ..spec import RewardSpec
+from ..transport import Endpoint
+from .base import BackendSettings, reward_environment
+from .registry import BackendType
 
 log = logging.getLogger("rewardbox")
 
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding sandbox_image/
-_BASE_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "SYSTEMROOT")
+# What the server needs to run this Python as the trainer does (PYTHONPATH: rewardbox may be importable through it).
+_BASE_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "SYSTEMROOT", "PYTHONPATH")
+SERVER_MODULE = "rewardbox.sandbox.server"
+NOT_ISOLATED_WARNING = (
+    "rewardbox: the LOCAL backend runs reward code WITHOUT ISOLATION, as this user, with this machine's network "
+    "and files. Use it for trusted code only; the docker backend isolates it."
+)
+
+
+class LocalSettings(BackendSettings):
+    """``sandbox.local:``: nothing to set yet; rewards run with this Python and its installed packages."""
 
 
 class LocalSandbox:
@@ -33,18 +45,18 @@ class LocalSandbox:
         self._log_path = self._dir / "server.log"
 
     @property
-    def address(self) -> str:
-        return f"unix://{self._dir / 'grpc.sock'}"
+    def endpoint(self) -> Endpoint:
+        return Endpoint(f"unix://{self._dir / 'grpc.sock'}")
 
     def start(self) -> None:
         state_dir = self._dir / "state"
         state_dir.mkdir(exist_ok=True)
-        env = {**self._env, "PYTHONPATH": _PACKAGE_ROOT, "PYTHONUNBUFFERED": "1",
-               "REWARDBOX_STATE_DIR": str(state_dir), "REWARDBOX_BACKEND": "local"}
+        env = {**self._env, "PYTHONUNBUFFERED": "1", "REWARDBOX_STATE_DIR": str(state_dir),
+               "REWARDBOX_BACKEND": "local"}
         with open(self._log_path, "ab") as out:
             try:
                 self._proc = subprocess.Popen(
-                    [sys.executable, "-m", "sandbox_image.server", "--listen", self.address,
+                    [sys.executable, "-m", SERVER_MODULE, "--listen", self.endpoint.target,
                      "--parent-pid", str(os.getpid())],
                     env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     start_new_session=True,  # Ctrl-C reaches the trainer, which then stops us in order
@@ -96,15 +108,28 @@ class LocalBackend:
     name = "local"
     isolated = False
 
-    def prepare(self, rewards: Sequence[RewardSpec], settings: SandboxSettings) -> None:
+    def __init__(self, settings: Optional[LocalSettings] = None):
+        self.settings = settings or LocalSettings()
+        log.warning(NOT_ISOLATED_WARNING)
+
+    def prepare(self, rewards: Sequence[RewardSpec]) -> None:
         for r in rewards:
             if r.packages:
                 log.warning("reward %r: local backend does not install packages %s; they must already be "
                             "importable by %s", r.name, r.packages, sys.executable)
 
-    def create(self, reward: RewardSpec, replica: int, settings: SandboxSettings) -> LocalSandbox:
+    def create(self, reward: RewardSpec, replica: int) -> LocalSandbox:
         env = {k: os.environ[k] for k in _BASE_ENV if k in os.environ}
         return LocalSandbox(f"{reward.name}-{replica}", {**env, **reward_environment(reward)})
 
     def close(self) -> None:
         pass
+
+
+BACKEND = BackendType(
+    name="local",
+    settings_type=LocalSettings,
+    create=LocalBackend,
+    isolated=False,
+    summary="the sandbox server as a subprocess of this Python; NO isolation (trusted code only)",
+)

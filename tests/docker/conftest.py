@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.backends.docker import DockerBackend
+from rewardbox.backends.docker import DockerBackend
 from tests.conftest import started_sandboxes
+
+
+def docker_backend(config, docker_client) -> DockerBackend:
+    """The config's docker backend on the tests' one engine client."""
+    return DockerBackend(config.sandbox.backend_settings("docker"), client=docker_client)
 
 
 @pytest.fixture
 def docker_sandboxes(write_config, docker_client, base_image):
     """docker_sandboxes(rewards, sandbox=...) -> started RewardSandboxes on the docker backend."""
-    yield from started_sandboxes(write_config, {"backend": "docker", "base_image": base_image},
-                                 lambda: DockerBackend(docker_client))
+    yield from started_sandboxes(write_config, {"backend": "docker", "docker": {"base_image": base_image}},
+                                 lambda config: docker_backend(config, docker_client))

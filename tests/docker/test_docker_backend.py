@@ -12,13 +12,14 @@ import sys
 import docker.errors
 import pytest
 
-from runtime import BackendError, build_samples
-from runtime.backends import LocalBackend, select_backend
-from runtime.backends.docker import DockerBackend, DockerSandbox, remove_leftovers
-from runtime.client import Replica
-from runtime.image import ImageBuilder
-from runtime.spec import SandboxSettings
+from rewardbox import BackendError, build_samples
+from rewardbox.backends import create_backend
+from rewardbox.backends.docker import ContainerSpec, DockerBackend, DockerSandbox, remove_leftovers
+from rewardbox.image import ImageBuilder
+from rewardbox.replica import Replica
+from rewardbox.spec import sandbox_settings_model
 from tests.conftest import run
+from tests.docker.conftest import docker_backend
 
 
 def test_a_package_from_packages_works_in_docker_while_absent_on_the_host(docker_sandboxes):
@@ -34,14 +35,15 @@ def test_a_package_from_packages_works_in_docker_while_absent_on_the_host(docker
 
 
 def test_an_unknown_package_fails_before_start_naming_it(write_config, docker_client, base_image):
-    from runtime import ImageBuildError, RewardSandboxes, load_config
+    from rewardbox import ImageBuildError, RewardSandboxes, load_config
 
     path = write_config([{"name": "r", "code": "def r(prompt, completion, example):\n    return 1.0\n",
                           "packages": ["rewardbox-no-such-package-zz9"]}],
-                        {"backend": "docker", "base_image": base_image})
+                        {"backend": "docker", "docker": {"base_image": base_image}})
+    config = load_config(path)
     with pytest.raises(ImageBuildError, match=r"package 'rewardbox-no-such-package-zz9' \(needed by reward 'r'\) "
                                                r"does not exist or has no wheel for Python 3\.11"):
-        RewardSandboxes(load_config(path), backend=DockerBackend(docker_client)).start()
+        RewardSandboxes(config, backend=docker_backend(config, docker_client)).start()
 
 
 def test_image_cache_hit_skips_the_engine_build_and_a_change_misses(docker_client, base_image, tmp_path):
@@ -85,10 +87,10 @@ def test_killing_the_container_mid_batch_loses_no_sample(docker_sandboxes):
 
 
 def test_a_container_that_never_becomes_healthy_fails_with_its_logs(docker_client, base_image, tmp_path):
-    sandbox = DockerSandbox(docker_client, "broken-0", {
-        "image": base_image, "command": ["python3", "-c", "print('no server here'); raise SystemExit(3)"],
-        "name": "rewardbox-test-broken", "labels": {"rewardbox": "1", "rewardbox.socket_dir": str(tmp_path / "s")},
-    })
+    sandbox = DockerSandbox(docker_client, ContainerSpec(
+        image=base_image, command=("python3", "-c", "print('no server here'); raise SystemExit(3)"),
+        name="rewardbox-test-broken", socket_dir=tmp_path / "s", labels={"rewardbox": "1"},
+    ))
     replica = Replica(sandbox, [], start_timeout_s=10)
     with pytest.raises(BackendError, match=r"(?s)exited during start-up.*no server here"):
         replica.start()
@@ -117,15 +119,20 @@ def test_leftover_containers_of_a_dead_run_are_removed_at_start(docker_client, b
             pass
 
 
-def test_auto_picks_docker_when_an_engine_answers_and_local_otherwise(docker_client, monkeypatch, caplog):
-    assert isinstance(select_backend(SandboxSettings(backend="auto")), DockerBackend)
+def test_auto_picks_docker_when_an_engine_answers_and_never_falls_back_to_local(docker_client, monkeypatch, caplog):
+    settings = sandbox_settings_model()
+    backend = create_backend(settings(backend="auto"))
+    assert isinstance(backend, DockerBackend)
+    backend.close()
     monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
     with caplog.at_level(logging.WARNING, logger="rewardbox"):
-        backend = select_backend(SandboxSettings(backend="auto"))
-    assert isinstance(backend, LocalBackend)
-    assert "WITHOUT ISOLATION" in caplog.text
+        with pytest.raises(BackendError, match=r"(?s)sandbox\.backend is auto and no Docker engine answers.*"
+                                               r"scripts/setup\.sh.*`sandbox\.backend: local` to run reward code "
+                                               r"WITHOUT isolation"):
+            create_backend(settings(backend="auto"))
+    assert "WITHOUT ISOLATION" not in caplog.text  # no local backend was made
     with pytest.raises(BackendError, match="no Docker engine answers"):
-        select_backend(SandboxSettings(backend="docker"))
+        create_backend(settings(backend="docker"))
 
 
 def test_containers_are_removed_on_exit_and_on_errors(docker_sandboxes, docker_client):
@@ -150,10 +157,10 @@ def test_ctrl_c_removes_every_container(write_config, docker_client, base_image,
     path = write_config([{"name": "slow", "code": "import time\ndef slow(prompt, completion, example):\n"
                                                   "    time.sleep(30)\n    return 1.0\n", "replicas": 2,
                           "timeout_s": 60}],
-                        {"backend": "docker", "base_image": base_image})
+                        {"backend": "docker", "docker": {"base_image": base_image}})
     samples = tmp_path / "s.jsonl"
     samples.write_text("".join(json.dumps({"prompt": "p", "completion": str(i)}) + "\n" for i in range(4)))
-    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "score", str(path), "--samples", str(samples)],
+    proc = subprocess.Popen([sys.executable, "-m", "rewardbox", "score", str(path), "--samples", str(samples)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while len(_containers_of(docker_client, proc.pid)) < 2 and time.monotonic() < deadline:
@@ -167,13 +174,14 @@ def test_ctrl_c_removes_every_container(write_config, docker_client, base_image,
 
 
 def test_a_reward_that_fails_to_load_leaves_no_container(write_config, docker_client, base_image):
-    from runtime import RewardLoadError, RewardSandboxes, load_config
+    from rewardbox import RewardLoadError, RewardSandboxes, load_config
 
     path = write_config([{"name": "ok", "code": "def ok(prompt, completion, example):\n    return 1.0\n"},
                          {"name": "broken", "code": "def broken(prompt, completion, example):\n    return (\n",
                           "replicas": 2}],
-                        {"backend": "docker", "base_image": base_image})
-    sandboxes = RewardSandboxes(load_config(path), backend=DockerBackend(docker_client))
+                        {"backend": "docker", "docker": {"base_image": base_image}})
+    config = load_config(path)
+    sandboxes = RewardSandboxes(config, backend=docker_backend(config, docker_client))
     with pytest.raises(RewardLoadError, match=r"broken\.py:2: SyntaxError"):
         sandboxes.start()
     assert _containers_of(docker_client, os.getpid()) == []
@@ -211,7 +219,7 @@ def test_clean_removes_unused_sandbox_images_and_keeps_those_in_use(docker_sandb
     s = docker_sandboxes([{"name": "r", "code": "def r(prompt, completion, example):\n    return 1.0\n"}])
     in_use = s.replicas["r"][0].sandbox.container.image.tags
     docker_client.images.get(base_image).tag("rewardbox-sandbox", "unused-by-test")
-    proc = subprocess.run([sys.executable, "-m", "runtime.cli", "clean", "--images"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "rewardbox", "clean", "--images"], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "rewardbox-sandbox:unused-by-test" in proc.stdout
@@ -249,9 +257,32 @@ def test_a_local_helper_package_in_packages_is_built_and_installed(docker_sandbo
 
 
 def test_a_missing_local_package_is_named_with_its_line(write_config):
-    from runtime import ConfigError, load_config
+    from rewardbox import ConfigError, load_config
 
     path = write_config([{"name": "r", "code": "def r(prompt, completion, example):\n    return 1.0\n",
                           "packages": ["./not_there"]}])
     with pytest.raises(ConfigError, match=r"rewardbox\.yaml:\d+: reward 'r': local package .*not_there does not exist"):
         load_config(path)
+
+
+def test_a_config_without_a_base_image_scores_where_no_registry_answers(write_config, docker_client, base_image,
+                                                                         caplog):
+    from rewardbox import RewardSandboxes, load_config
+    from rewardbox.base_image import OFFLINE_BASE, BaseImageResolver, slim_image
+
+    code = "def r(prompt, completion, example):\n    return float(len(completion))\n"
+    path = write_config([{"name": "r", "code": code}], {"backend": "docker"})  # no docker section: auto
+    config = load_config(path)
+    registry_problem = BaseImageResolver(docker_client)._registry_problem(slim_image())
+    expected = slim_image() if registry_problem is None else OFFLINE_BASE  # here: no registry, the offline base
+    with caplog.at_level(logging.INFO, logger="rewardbox"):
+        with RewardSandboxes(config, backend=docker_backend(config, docker_client)) as s:
+            report = run(s["r"].client.score(build_samples(["p", "p"], ["ab", "abcd"], {})))
+            image = s.replicas["r"][0].sandbox.container.image
+    assert report.statuses == ["ok", "ok"] and report.values == [2.0, 4.0]
+    assert f"sandbox.docker.base_image is auto: using {expected} (" in caplog.text
+    if registry_problem is not None:
+        assert "no registry answered" in caplog.text
+    # the sandbox image was built on the chosen base: it holds that base's layers
+    base_layers = docker_client.images.get(expected).attrs["RootFS"]["Layers"]
+    assert image.attrs["RootFS"]["Layers"][: len(base_layers)] == base_layers

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from runtime import build_samples
+from rewardbox import build_samples
 from tests.conftest import run
 
 PROBE = """
@@ -22,7 +22,7 @@ def test_rewards_run_under_gvisor_when_the_runtime_is_runsc(docker_sandboxes, do
     if "runsc" not in docker_client.info().get("Runtimes", {}):
         pytest.fail("the Docker engine has no runsc runtime: install runsc (Debian package) and register it as "
                     "scripts/setup.sh does (dockerd --config-file scripts/dockerd.json)")
-    s = docker_sandboxes([{"name": "kernel", "code": PROBE, "workers": 2}], sandbox={"runtime": "runsc"})
+    s = docker_sandboxes([{"name": "kernel", "code": PROBE, "workers": 2}], sandbox={"docker": {"runtime": "runsc"}})
     container = s.replicas["kernel"][0].sandbox.container
     container.reload()
     assert container.attrs["HostConfig"]["Runtime"] == "runsc"

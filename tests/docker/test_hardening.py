@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 
-from runtime import build_samples
+from rewardbox import build_samples
 from tests.conftest import run
 
 PROBES = """
@@ -87,7 +87,7 @@ def test_no_network_unless_the_reward_asks_for_it(docker_sandboxes):
         s = docker_sandboxes(
             [{"name": "connect", "code": PROBES},
              {"name": "connect_net", "file": "connect.py", "function": "connect", "network": True}],
-            sandbox={"network_mode": "host"},  # the test's listener is on the host's loopback
+            sandbox={"docker": {"network_mode": "host"}},  # the test's listener is on the host's loopback
         )
         target = f"127.0.0.1:{port}"
         closed = score(s, "connect", [target])

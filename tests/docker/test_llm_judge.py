@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from runtime import build_samples
+from rewardbox import build_samples
 from tests.conftest import ROOT, run
 
 API_KEY = "sk-test-rewardbox-123"
@@ -68,7 +68,7 @@ def test_llm_judge_scores_through_the_network_with_its_secret_and_falls_back_wit
               "timeout_s": 10, "default_score": None}
     s = docker_sandboxes(
         [{"name": "judge", "network": True, **common}, {"name": "judge_offline", **common}],
-        sandbox={"network_mode": "host"},  # the endpoint listens on the host's loopback
+        sandbox={"docker": {"network_mode": "host"}},  # the endpoint listens on the host's loopback
     )
     samples = build_samples(["What is 2 + 2?", "Capital of France?"], ["4", "Lyon"], {"answer": ["4", "Paris"]})
     report = run(s["judge"].client.score(samples))

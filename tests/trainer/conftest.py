@@ -1,6 +1,6 @@
 import pytest
 
-from trainer.tiny import build_tiny_model
+from rewardbox.trainer.tiny import build_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from runtime import ConfigError
-from trainer.config import DatasetSection
-from trainer.run import load_datasets
+from rewardbox import ConfigError
+from rewardbox.trainer.config import DatasetSection
+from rewardbox.trainer.run import load_datasets
 
 ROWS = [{"question": f"What is {i} + 1?", "answer": i + 1, "text": f"plain prompt {i}"} for i in range(8)]
 

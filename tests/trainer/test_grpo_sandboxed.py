@@ -7,7 +7,7 @@ import os
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
-from runtime import RewardSandboxes, load_config
+from rewardbox import RewardSandboxes, load_config
 
 REWARDS = """
 import ast, os

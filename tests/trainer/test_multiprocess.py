@@ -16,9 +16,9 @@ def test_two_ranks_train_with_their_own_sandboxes(tmp_path, base_image):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "-m", "trainer", str(tmp_path / "quickstart" / "config.yaml"),
+           "-m", "rewardbox.trainer", str(tmp_path / "quickstart" / "config.yaml"),
            "--grpo.max_steps", "2", "--grpo.save_strategy", "no", "--output_dir", str(out),
-           "--sandbox.base_image", base_image]
+           "--sandbox.docker.base_image", base_image]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

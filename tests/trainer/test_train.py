@@ -14,10 +14,10 @@ import yaml
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
-from runtime import ConfigError
-from runtime.backends.docker import DockerBackend
+from rewardbox import ConfigError
+from rewardbox.backends.docker import DockerBackend, DockerSettings
 from tests.conftest import ROOT
-from trainer import load_train_config, train
+from rewardbox.trainer import load_train_config, train
 
 REWARDS = """
 import os, time
@@ -39,7 +39,7 @@ def write_training_config(tmp_path: Path, base_image: str, rewards: list[dict], 
         json.dumps({"question": f"What is {i} + 1?", "answer": i + 1, "slow": i % 2 == 0}) + "\n" for i in range(8)
     ))
     config = {
-        "sandbox": {"backend": "docker", "base_image": base_image},
+        "sandbox": {"backend": "docker", "docker": {"base_image": base_image}},
         "model": {"name_or_path": "builtin:tiny", "dtype": "float32"},
         "dataset": {"path": "data.jsonl", "question_column": "question", "system_prompt": "Answer briefly."},
         "grpo": {"max_steps": 3, "per_device_train_batch_size": 4, "num_generations": 4,
@@ -52,6 +52,10 @@ def write_training_config(tmp_path: Path, base_image: str, rewards: list[dict], 
     path = tmp_path / "train.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
+
+
+def docker_backend(docker_client, base_image: str) -> DockerBackend:
+    return DockerBackend(DockerSettings(base_image=base_image), client=docker_client)
 
 
 def write_reward(tmp_path: Path, name: str, code: str) -> str:
@@ -70,7 +74,7 @@ def test_training_with_docker_sandboxes_end_to_end(tmp_path, docker_client, base
         {"name": "shape", "source": source},
         {"name": "slow", "source": source, "timeout_s": 0.5, "default_score": 0.0, "workers": 4},
     ], top={"save_merged": True})
-    result = train(path, backend=DockerBackend(docker_client))
+    result = train(path, backend=docker_backend(docker_client, base_image))
     out = result.output_dir
     history = [h for h in result.log_history if "rewards/shape/mean" in h]
     assert len(history) == 3
@@ -125,7 +129,7 @@ def test_editing_a_reward_file_mid_run_takes_effect_from_the_next_step(tmp_path,
         2: "def live(prompt, completion, example):\n    return 5.0\n",
         3: "def live(prompt, completion, example):\n    return (\n",  # broken: the previous version keeps running
     }
-    result = train(path, backend=DockerBackend(docker_client),
+    result = train(path, backend=docker_backend(docker_client, base_image),
                    callbacks=[EditRewardFile(tmp_path / source, edits)])
     means = [h["rewards/live/mean"] for h in result.log_history if "rewards/live/mean" in h]
     assert means == [1.0, 1.0, 5.0, 5.0, 5.0]
@@ -159,8 +163,8 @@ def test_config_errors_fail_before_training_naming_the_problem(tmp_path, monkeyp
     def must_not_run(*args, **kwargs):
         raise AssertionError("the model was loaded although the config is broken")
 
-    monkeypatch.setattr("trainer.run.load_model", must_not_run)
-    monkeypatch.setattr("runtime.session.RewardSandboxes.start", must_not_run)
+    monkeypatch.setattr("rewardbox.trainer.run.load_model", must_not_run)
+    monkeypatch.setattr("rewardbox.session.RewardSandboxes.start", must_not_run)
     with pytest.raises(ConfigError, match=message):
         train(path)
 
@@ -171,8 +175,8 @@ def test_command_line_overrides_in_trl_style(tmp_path):
     cfg = load_train_config(path, ["--grpo.max_steps", "7", "--lora.r=2", "--model.dtype", "bfloat16",
                                    "--sandbox.backend", "local"])
     assert cfg.grpo["max_steps"] == 7 and cfg.lora["r"] == 2
-    assert cfg.model.dtype == "bfloat16" and cfg.rewards.sandbox.backend == "local"
-    proc = subprocess.run([sys.executable, "-m", "trainer", str(path), "--grpo.max_stepz", "3"],
+    assert cfg.model.dtype == "bfloat16" and cfg.sandbox.backend == "local"
+    proc = subprocess.run([sys.executable, "-m", "rewardbox.trainer", str(path), "--grpo.max_stepz", "3"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "did you mean 'max_steps'" in proc.stderr
@@ -188,12 +192,13 @@ def test_ctrl_c_during_training_removes_every_container(tmp_path, docker_client,
     import time
 
     shutil.copytree(ROOT / "examples" / "quickstart", tmp_path / "quickstart")
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", str(tmp_path / "quickstart" / "config.yaml"),
+    proc = subprocess.Popen([sys.executable, "-m", "rewardbox.trainer", str(tmp_path / "quickstart" / "config.yaml"),
                              "--grpo.max_steps", "5000", "--output_dir", str(tmp_path / "out"),
-                             "--sandbox.base_image", base_image],
+                             "--sandbox.docker.base_image", base_image],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while not (tmp_path / "out" / "reward_logs.jsonl").exists() or not (tmp_path / "out" / "reward_logs.jsonl").read_text():
+    log_file = tmp_path / "out" / "reward_logs.jsonl"
+    while not log_file.exists() or not log_file.read_text():
         assert time.monotonic() < deadline and proc.poll() is None, "training did not start scoring"
         time.sleep(0.2)
     assert len(_my_containers(docker_client, proc.pid)) == 3  # training is under way
@@ -214,5 +219,5 @@ def test_an_error_during_training_removes_every_container(tmp_path, docker_clien
     source = write_reward(tmp_path, "ok.py", "def ok(prompt, completion, example):\n    return 1.0\n")
     path = write_training_config(tmp_path, base_image, [{"name": "ok", "source": source, "replicas": 2}])
     with pytest.raises(RuntimeError, match="boom in a callback"):
-        train(path, backend=DockerBackend(docker_client), callbacks=[FailAtStep()])
+        train(path, backend=docker_backend(docker_client, base_image), callbacks=[FailAtStep()])
     assert _my_containers(docker_client, os.getpid()) == []

@@ -23,7 +23,7 @@ def test_score_writes_one_row_per_sample_in_order_with_status_and_weighted_total
     ]
     samples.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "runtime.cli", "score", str(path), "--samples", str(samples),
+    proc = subprocess.run([sys.executable, "-m", "rewardbox", "score", str(path), "--samples", str(samples),
                            "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     got = [json.loads(line) for line in out.read_text().splitlines()]

@@ -6,7 +6,7 @@ import asyncio
 import os
 import signal
 
-from runtime import build_samples
+from rewardbox import build_samples
 from tests.conftest import no_sleep, run
 
 SLOW = """
@@ -58,7 +58,7 @@ def test_deterministic_errors_are_not_retried(sandboxes, tmp_path):
 
 
 def test_a_sandbox_that_stays_down_falls_back_after_the_retries(write_config):
-    from runtime import RewardSandboxes, load_config
+    from rewardbox import RewardSandboxes, load_config
     from tests.fakes import UnrestartableBackend, UnrestartableSandbox
 
     no_sleep.calls = []
@@ -99,7 +99,7 @@ def test_a_local_sandbox_exits_when_the_process_that_started_it_is_killed(tmp_pa
     path = write_config([{"name": "r", "code": "def r(prompt, completion, example):\n    return 1.0\n"}])
     script = (
         "import sys, time\n"
-        "from runtime import RewardSandboxes, load_config\n"
+        "from rewardbox import RewardSandboxes, load_config\n"
         f"s = RewardSandboxes(load_config({str(path)!r})); s.start()\n"
         "print(s.replicas['r'][0].sandbox.pid(), flush=True)\n"
         "time.sleep(300)\n"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from runtime import build_samples
-from sandbox_image.pb import reward_pb2 as pb
+from rewardbox import build_samples
+from rewardbox.wire.pb import reward_pb2 as pb
 from tests.conftest import run
 
 BEHAVIOURS = """
@@ -124,7 +124,8 @@ def test_string_typed_example_recovers_a_list_column_with_literal_eval(sandboxes
         return sum(ast.literal_eval(example["numbers"])) * float(example["weight"]) + len(example["name"])
     """
     s = sandboxes([{"name": "total", "code": code}])
-    report = score(s, "total", ["x", "y"], columns={"numbers": [[1, 2, 3], [10]], "weight": [0.5, 2], "name": ["ab", "c"]})
+    columns = {"numbers": [[1, 2, 3], [10]], "weight": [0.5, 2], "name": ["ab", "c"]}
+    report = score(s, "total", ["x", "y"], columns=columns)
     assert report.statuses == ["ok", "ok"]
     assert report.values == [5.0, 21.0]
 
@@ -185,7 +186,7 @@ def test_conversational_samples_give_text_and_the_message_lists(sandboxes):
 def test_health_reflection_and_describe_are_served(sandboxes):
     s = sandboxes([{"name": "behave", "code": BEHAVIOURS}])
     replica = s.replicas["behave"][0]
-    channel = grpc.insecure_channel(replica.sandbox.address)
+    channel = grpc.insecure_channel(replica.sandbox.endpoint.target)
     reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -203,7 +204,7 @@ def test_health_reflection_and_describe_are_served(sandboxes):
 def test_reload_during_a_batch_lets_the_old_version_finish_it(sandboxes, tmp_path):
     import asyncio
 
-    from runtime.client import function_source
+    from rewardbox.replica import function_source
 
     code = """
     import time

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from runtime import build_samples, samples_from_rows
+from rewardbox import build_samples, samples_from_rows
 
 
 def test_columns_become_strings_that_literal_eval_recovers():
@@ -28,7 +28,8 @@ def test_columns_become_strings_that_literal_eval_recovers():
 
 def test_message_lists_give_text_and_keep_the_lists():
     prompt = [{"role": "system", "content": "sys"}, {"role": "user", "content": "question?"}]
-    completion = [{"role": "assistant", "content": [{"type": "text", "text": "multi"}, {"type": "text", "text": "part"}]}]
+    parts = [{"type": "text", "text": "multi"}, {"type": "text", "text": "part"}]
+    completion = [{"role": "assistant", "content": parts}]
     [s] = build_samples([prompt], [completion], {})
     assert s.prompt == "question?" and s.completion == "multipart"
     assert json.loads(s.prompt_messages_json) == prompt

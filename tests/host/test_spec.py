@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from runtime import ConfigError, RewardLoadError, RewardSandboxes, load_config
+from rewardbox import ConfigError, RewardLoadError, RewardSandboxes, load_config
 
 OK = "def ok(prompt, completion, example):\n    return 1.0\n"
 
@@ -68,7 +68,7 @@ def test_cli_score_exits_nonzero_on_a_broken_reward_before_scoring(write_config,
     samples = tmp_path / "s.jsonl"
     samples.write_text('{"prompt": "p", "completion": "c"}\n')
     out = tmp_path / "out.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "runtime.cli", "score", str(path), "--samples", str(samples),
+    proc = subprocess.run([sys.executable, "-m", "rewardbox", "score", str(path), "--samples", str(samples),
                            "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "SyntaxError" in proc.stderr and "ok.py:2" in proc.stderr
@@ -76,7 +76,7 @@ def test_cli_score_exits_nonzero_on_a_broken_reward_before_scoring(write_config,
 
 
 def test_yaml_reads_no_as_a_string_and_5e_minus_6_as_a_float():
-    from runtime.spec import yaml_load
+    from rewardbox.spec import yaml_load
 
     assert yaml_load("save_strategy: no\nlearning_rate: 5e-6\nflag: true\nn: 3\nname: on") == {
         "save_strategy": "no", "learning_rate": 5e-6, "flag": True, "n": 3, "name": "on"}

@@ -1,7 +1,8 @@
-"""Generates the gRPC stubs in ``sandbox_image/pb`` from ``proto/rewardbox/v1/reward.proto``.
+"""Generates the gRPC stubs in ``rewardbox/wire/pb`` (``proto/pb`` in the repository) from
+``rewardbox/v1/reward.proto``.
 
-Run ``python -m sandbox_image.protogen`` after editing the .proto file; ``tests/test_protogen.py`` fails when the
-committed stubs differ from what this produces. Needs ``grpcio-tools`` (the ``dev`` extra), which the sandbox
+Run ``python -m rewardbox.wire.protogen`` after editing the .proto file; ``tests/wire/test_protogen.py`` fails when
+the committed stubs differ from what this produces. Needs ``grpcio-tools`` (the ``dev`` extra), which the sandbox
 image itself never does.
 """
 
@@ -12,10 +13,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-PROTO_ROOT = REPO_ROOT / "proto"
+PROTO_ROOT = Path(__file__).resolve().parent  # the include root: it holds rewardbox/v1/reward.proto
 PROTO_FILE = "rewardbox/v1/reward.proto"
-OUT_DIR = Path(__file__).resolve().parent / "pb"
+OUT_DIR = PROTO_ROOT / "pb"
 GENERATED = ("reward_pb2.py", "reward_pb2.pyi", "reward_pb2_grpc.py")
 
 
@@ -40,8 +40,8 @@ def generate() -> dict[str, str]:
         if protoc.main(args) != 0:
             raise RuntimeError(f"protoc failed on {PROTO_ROOT / PROTO_FILE}")
         out = Path(tmp) / "rewardbox" / "v1"
-        # protoc writes absolute imports (`from rewardbox.v1 import reward_pb2`); the stubs live in a package
-        # of ours, so make them relative.
+        # protoc writes absolute imports (`from rewardbox.v1 import reward_pb2`); the stubs live in
+        # rewardbox.wire.pb, so make them relative.
         return {
             name: re.sub(r"^from rewardbox\.v1 import", "from . import", (out / name).read_text(), flags=re.M)
             for name in GENERATED

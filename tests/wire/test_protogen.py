@@ -1,4 +1,4 @@
-from sandbox_image import protogen
+from rewardbox.wire import protogen
 
 
 def test_committed_stubs_match_the_proto_file():
@@ -6,5 +6,5 @@ def test_committed_stubs_match_the_proto_file():
     for name, text in generated.items():
         committed = (protogen.OUT_DIR / name).read_text()
         assert committed == text, (
-            f"sandbox_image/pb/{name} is stale: run `python -m sandbox_image.protogen` and commit the result"
+            f"proto/pb/{name} is stale: run `python -m rewardbox.wire.protogen` and commit the result"
         )

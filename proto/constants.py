@@ -1,0 +1,25 @@
+"""Numbers both sides must agree on. Standard library only (see the package docstring)."""
+
+from __future__ import annotations
+
+# The gRPC service's full name (package ``rewardbox.v1`` in reward.proto), for health checks and reflection.
+SERVICE_NAME = "rewardbox.v1.RewardSandbox"
+
+# gRPC's default is 4 MiB; a batch of long completions (or their captured output) can exceed it.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+GRPC_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+)
+
+# Slack on top of a reward's timeout before the sandbox kills a worker from outside (IPC, result transfer). The
+# host's per-attempt deadline is built on it, so the server always answers before the client gives up.
+HARD_TIMEOUT_MARGIN_S = 2.0
+
+# Per-reward defaults: the config's defaults, and what the server uses when a Load request leaves a field at 0.
+DEFAULT_WORKERS = 2
+DEFAULT_CONCURRENCY = 16
+DEFAULT_MAX_LOG_BYTES = 64 * 1024
+
+# The release, reported by every sandbox server (Describe) and the host package alike.
+VERSION = "0.2.0"

@@ -1,5 +1,0 @@
-"""Generated gRPC stubs for ``proto/rewardbox/v1/reward.proto``. Do not edit: run ``python -m sandbox_image.protogen``."""
-
-from . import reward_pb2, reward_pb2_grpc
-
-__all__ = ["reward_pb2", "reward_pb2_grpc"]
