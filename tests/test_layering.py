@@ -1,0 +1,81 @@
+"""The library's layers: the host never imports the sandbox's internals, the sandbox never imports the host, and
+importing the host side starts no process. Checked on the source (every import statement) and by importing."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import pytest
+
+from tests.conftest import ROOT
+
+# repository folder -> its name in the rewardbox namespace
+LAYERS = {"runtime": "rewardbox", "sandbox_image": "rewardbox.sandbox", "proto": "rewardbox.wire",
+          "trainer": "rewardbox.trainer"}
+STDLIB = set(sys.stdlib_module_names)
+
+
+def imports_of(folder: str) -> list[tuple[str, str]]:
+    """(file, absolute module) for every import in a layer's Python files (generated stubs included)."""
+    package = LAYERS[folder]
+    found = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+        module = ".".join([package, *parts[:-1]] if parts[-1] == "__init__" else [package, *parts])
+        here = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found += [(str(path.relative_to(ROOT)), alias.name) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = here.split(".")
+                    base = base[: len(base) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module
+                found.append((str(path.relative_to(ROOT)), target))
+    return found
+
+
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+@pytest.mark.parametrize("folder", ["runtime", "trainer"])
+def test_the_host_never_imports_the_sandbox(folder):
+    offenders = [(f, m) for f, m in imports_of(folder) if _inside(m, "rewardbox.sandbox")]
+    assert offenders == []
+
+
+@pytest.mark.parametrize("folder, allowed", [
+    ("sandbox_image", ("rewardbox.sandbox", "rewardbox.wire", "grpc", "grpc_health", "grpc_reflection", "pebble")),
+    # grpc_tools: only the dev-time stub generator (protogen.py), which is not copied into images
+    ("proto", ("rewardbox.wire", "grpc", "google.protobuf", "grpc_tools")),
+])
+def test_the_sandbox_and_the_wire_import_only_themselves_and_their_few_dependencies(folder, allowed):
+    offenders = [(f, m) for f, m in imports_of(folder)
+                 if m.split(".")[0] not in STDLIB and m != "__future__" and not any(_inside(m, a) for a in allowed)]
+    assert offenders == []
+
+
+def test_the_worker_module_loads_nothing_but_the_standard_library():
+    # It is preloaded into the sandbox's fork server: what it imports, every worker carries.
+    code = ("import sys; before = set(sys.modules); import rewardbox.sandbox.worker; "
+            "print(sorted({m.split('.')[0] for m in set(sys.modules) - before} - set(sys.stdlib_module_names)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['rewardbox']"
+
+
+def test_importing_the_host_side_loads_no_sandbox_module_and_starts_no_process():
+    code = ("import os, sys\n"
+            "import rewardbox, rewardbox.cli, rewardbox.session, rewardbox.client, rewardbox.bench, rewardbox.image\n"
+            "import rewardbox.backends.docker, rewardbox.backends.local, rewardbox.trainer\n"
+            "from rewardbox import RewardSandboxes, SandboxedReward, load_config, train\n"
+            "print(sorted(m for m in sys.modules if m.startswith('rewardbox.sandbox')))\n"
+            "print(open(f'/proc/self/task/{os.getpid()}/children').read())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
+    assert out.returncode == 0, out.stderr
+    modules, children = out.stdout.splitlines()
+    assert modules == "[]" and children.strip() == ""
