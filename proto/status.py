@@ -4,8 +4,7 @@ its outcome."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 
 class Status(str, enum.Enum):
@@ -48,9 +47,9 @@ _TO_WIRE = {status: number for number, status in enumerate(Status, start=1)}
 _FROM_WIRE = {number: status for status, number in _TO_WIRE.items()}
 
 
-@dataclass(frozen=True)
-class Outcome:
-    """What became of one sample: a value only when the status is OK (None is a valid OK value)."""
+class Outcome(NamedTuple):
+    """What became of one sample: a value only when the status is OK (None is a valid OK value). A named tuple:
+    one is made per sample on hot paths."""
 
     value: Optional[float]
     status: Status

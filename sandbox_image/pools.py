@@ -28,7 +28,7 @@ from pebble import ProcessExpired, ProcessPool
 from ..wire import DEFAULT_CONCURRENCY, DEFAULT_MAX_LOG_BYTES, DEFAULT_WORKERS, HARD_TIMEOUT_MARGIN_S, Status
 from ..wire import TrainerState
 from . import worker
-from .records import BatchResult, FunctionInfo, Outcome, SampleInput, WorkerConfig
+from .records import BatchResult, FunctionInfo, Outcome, SampleBatch, WorkerConfig
 
 log = logging.getLogger("rewardbox.sandbox")
 
@@ -113,23 +113,24 @@ class FunctionPool:
                                    "the memory limit at import time)") from None
         return self.info
 
-    async def score(self, items: list[SampleInput], timeout_s: float, state: Optional[TrainerState]) -> BatchResult:
-        """Scores items across the workers; one outcome per item, in order. Never raises for user-code failures."""
-        if not items:
-            return BatchResult([])
+    async def score(self, batch: SampleBatch, timeout_s: float, state: Optional[TrainerState]) -> BatchResult:
+        """Scores a batch across the workers; one outcome per sample, in order. Never raises for user-code
+        failures."""
+        if not len(batch):
+            return BatchResult()
         self.in_flight += 1
         try:
-            return await self._score(items, timeout_s, state)
+            return await self._score(batch, timeout_s, state)
         finally:
             self.in_flight -= 1
             if self.retiring and self.in_flight == 0:
                 self.close(wait=True)
 
-    async def _score(self, items: list, timeout_s: float, state: Optional[TrainerState]) -> BatchResult:
+    async def _score(self, batch: SampleBatch, timeout_s: float, state: Optional[TrainerState]) -> BatchResult:
         # A batch-style function sees exactly the batch it was given (TRL rewards may compare within it).
-        n_chunks = 1 if self.style == "batch" else min(self.workers, len(items))
-        bounds = [round(i * len(items) / n_chunks) for i in range(n_chunks + 1)]
-        chunks = [items[a:b] for a, b in zip(bounds, bounds[1:])]
+        n_chunks = 1 if self.style == "batch" else min(self.workers, len(batch))
+        bounds = [round(i * len(batch) / n_chunks) for i in range(n_chunks + 1)]
+        chunks = [batch.slice(a, b) for a, b in zip(bounds, bounds[1:])]
         merged = BatchResult()
         for result in await asyncio.gather(*(self._score_chunk(c, timeout_s, state) for c in chunks)):
             merged.add(result)
@@ -144,10 +145,10 @@ class FunctionPool:
             per_call = n
         return per_call * timeout_s + HARD_TIMEOUT_MARGIN_S
 
-    async def _run(self, items: list, timeout_s: float, state: Optional[TrainerState]):
+    async def _run(self, batch: SampleBatch, timeout_s: float, state: Optional[TrainerState]):
         """(ChunkResult, None) when the worker answered, else (None, the Outcome of a killed or dead worker)."""
         future = self.pool.schedule(
-            worker.score_task, args=(items, timeout_s, state), timeout=self._hard_timeout(len(items), timeout_s)
+            worker.score_task, args=(batch, timeout_s, state), timeout=self._hard_timeout(len(batch), timeout_s)
         )
         try:
             return await asyncio.wrap_future(future), None
@@ -157,22 +158,25 @@ class FunctionPool:
             return None, Outcome.failed(Status.CRASH,
                                         f"worker process died (exit code {e.exitcode}, {_signal_name(e)})")
 
-    async def _score_chunk(self, items: list, timeout_s: float, state: Optional[TrainerState]) -> BatchResult:
-        done, failed = await self._run(items, timeout_s, state)
+    async def _score_chunk(self, batch: SampleBatch, timeout_s: float, state: Optional[TrainerState]) -> BatchResult:
+        done, failed = await self._run(batch, timeout_s, state)
+        result = BatchResult()
         if done is not None:
-            result = BatchResult()
             result.add(done)
             return result
         self.reap_orphans()
-        if len(items) == 1:
-            return BatchResult([failed], workers_replaced=1)
-        singles = await asyncio.gather(*(self._run([item], timeout_s, state) for item in items))
-        result = BatchResult(workers_replaced=1, isolated_reruns=len(items))
+        result.workers_replaced = 1
+        if len(batch) == 1:
+            result.add_failed(failed)
+            return result
+        singles = await asyncio.gather(*(self._run(batch.slice(i, i + 1), timeout_s, state)
+                                         for i in range(len(batch))))
+        result.isolated_reruns = len(batch)
         for single_done, single_failed in singles:
             if single_done is not None:
                 result.add(single_done)
             else:
-                result.outcomes.append(single_failed)
+                result.add_failed(single_failed)
                 result.workers_replaced += 1
         self.reap_orphans()
         return result

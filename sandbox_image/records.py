@@ -1,17 +1,19 @@
 """The records that cross the boundary between the sandbox server and its worker processes.
 
 Frozen dataclasses with plain fields, one per kind of message: what a worker is configured with, what it is asked
-to score, what it answers. Standard library only: the worker module that uses them is preloaded into the fork
-server.
+to score, what it answers. A batch travels column by column (lists of strings and numbers, not one object per
+sample): per-sample objects cost more to make and move than the samples themselves. Standard library only: the
+worker module that uses them is preloaded into the fork server.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from ..wire import Outcome
 
-__all__ = ["BatchResult", "ChunkResult", "FunctionInfo", "Outcome", "SampleInput", "WorkerConfig"]
+__all__ = ["BatchResult", "ChunkResult", "FunctionInfo", "Outcome", "SampleBatch", "WorkerConfig"]
 
 
 @dataclass(frozen=True)
@@ -29,23 +31,41 @@ class WorkerConfig:
 
 
 @dataclass(frozen=True)
-class SampleInput:
-    """One sample as the reward function receives it."""
+class SampleBatch:
+    """Samples as the reward function receives them, one list entry per sample."""
 
-    prompt: str
-    completion: str
-    example: dict  # column -> string
-    prompt_messages_json: str = ""  # conversational data: the message lists as JSON; empty otherwise
-    completion_messages_json: str = ""
+    prompts: list
+    completions: list
+    examples: list  # per sample: column -> string
+    prompt_messages_json: list  # per sample: the message list as JSON for conversational data, else ""
+    completion_messages_json: list
+
+    def __len__(self) -> int:
+        return len(self.completions)
+
+    def slice(self, start: int, stop: int) -> "SampleBatch":
+        return SampleBatch(self.prompts[start:stop], self.completions[start:stop], self.examples[start:stop],
+                           self.prompt_messages_json[start:stop], self.completion_messages_json[start:stop])
 
 
 @dataclass(frozen=True)
 class ChunkResult:
-    """What a worker returns for a chunk of samples: one outcome each, in order, and the captured output."""
+    """What a worker returns for a chunk of samples: per sample, in order, a value (only with status OK), a status
+    and an error text; and the captured output."""
 
-    outcomes: list
+    values: list
+    statuses: list
+    errors: list
     logs: str = ""
     dropped: int = 0  # characters of output beyond max_log_bytes
+
+    @classmethod
+    def of(cls, outcomes: Sequence[Outcome], logs: str = "", dropped: int = 0) -> "ChunkResult":
+        return cls([o.value for o in outcomes], [o.status for o in outcomes], [o.error for o in outcomes], logs,
+                   dropped)
+
+    def __len__(self) -> int:
+        return len(self.statuses)
 
 
 @dataclass(frozen=True)
@@ -60,18 +80,28 @@ class FunctionInfo:
 
 @dataclass
 class BatchResult:
-    """What the server's pool made of a whole batch: one outcome per sample, in order."""
+    """What the server's pool made of a whole batch: per sample, in order, as in ChunkResult."""
 
-    outcomes: list = field(default_factory=list)
+    values: list = field(default_factory=list)
+    statuses: list = field(default_factory=list)
+    errors: list = field(default_factory=list)
     logs: str = ""
     dropped: int = 0
     workers_replaced: int = 0
     isolated_reruns: int = 0
 
     def add(self, other: "BatchResult | ChunkResult") -> None:
-        self.outcomes.extend(other.outcomes)
+        self.values.extend(other.values)
+        self.statuses.extend(other.statuses)
+        self.errors.extend(other.errors)
         self.logs += other.logs
         self.dropped += other.dropped
         if isinstance(other, BatchResult):
             self.workers_replaced += other.workers_replaced
             self.isolated_reruns += other.isolated_reruns
+
+    def add_failed(self, outcome: Outcome) -> None:
+        """One sample whose worker was killed or died."""
+        self.values.append(None)
+        self.statuses.append(outcome.status)
+        self.errors.append(outcome.error)

@@ -23,12 +23,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from ..wire import GRPC_OPTIONS, SERVICE_NAME, trainer_state_from_wire
+from ..wire import GRPC_OPTIONS, SERVICE_NAME, Status, trainer_state_from_wire
 from ..wire.pb import reward_pb2 as pb
 from ..wire.pb import reward_pb2_grpc as pb_grpc
 from . import __version__, worker
 from .pools import FunctionPool
-from .records import SampleInput
+from .records import SampleBatch
 
 log = logging.getLogger("rewardbox.sandbox")
 
@@ -109,17 +109,21 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
         if request.timeout_s <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "timeout_s must be positive")
         started = time.monotonic()
-        items = [
-            SampleInput(s.prompt, s.completion, dict(s.example), s.prompt_messages_json, s.completion_messages_json)
-            for s in request.samples
-        ]
+        samples = request.samples
+        batch = SampleBatch(
+            prompts=[s.prompt for s in samples],
+            completions=[s.completion for s in samples],
+            examples=[dict(s.example) for s in samples],
+            prompt_messages_json=[s.prompt_messages_json for s in samples],
+            completion_messages_json=[s.completion_messages_json for s in samples],
+        )
         state = trainer_state_from_wire(request.trainer_state) if request.has_trainer_state else None
-        result = await fp.score(items, request.timeout_s, state)
+        result = await fp.score(batch, request.timeout_s, state)
         scores = [
-            pb.Score(value=o.value, status=o.status.wire, error=o.error)
-            if o.value is not None
-            else pb.Score(status=o.status.wire, error=o.error)
-            for o in result.outcomes
+            pb.Score(value=value, status=status.wire, error=error)
+            if value is not None and status == Status.OK
+            else pb.Score(status=status.wire, error=error)
+            for value, status, error in zip(result.values, result.statuses, result.errors)
         ]
         logs = result.logs
         if result.dropped:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..wire import Status, TrainerState
-from .records import ChunkResult, FunctionInfo, Outcome, SampleInput, WorkerConfig
+from .records import ChunkResult, FunctionInfo, Outcome, SampleBatch, WorkerConfig
 
 # Optional keywords a reward function may declare to receive.
 OPTIONAL_KEYWORDS = ("trainer_state", "prompt_messages", "completion_messages")
@@ -230,29 +230,27 @@ def _messages(text: str) -> Any:
     return json.loads(text) if text else None
 
 
-def _sample_call(item: SampleInput, state: Optional[TrainerState]):
+def _sample_call(batch: SampleBatch, i: int, state: Optional[TrainerState]):
     loaded = _loaded()
     accepted = loaded.info.accepted_keywords
     kw = {}
     if "trainer_state" in accepted:
         kw["trainer_state"] = state
     if "prompt_messages" in accepted:
-        kw["prompt_messages"] = _messages(item.prompt_messages_json)
+        kw["prompt_messages"] = _messages(batch.prompt_messages_json[i])
     if "completion_messages" in accepted:
-        kw["completion_messages"] = _messages(item.completion_messages_json)
-    return loaded.fn(item.prompt, item.completion, dict(item.example), **kw)
+        kw["completion_messages"] = _messages(batch.completion_messages_json[i])
+    return loaded.fn(batch.prompts[i], batch.completions[i], dict(batch.examples[i]), **kw)
 
 
-def _batch_kwargs(items: list, state: Optional[TrainerState]) -> dict:
+def _batch_kwargs(batch: SampleBatch, state: Optional[TrainerState]) -> dict:
     loaded = _loaded()
     kw: dict = {
-        "prompts": [_messages(s.prompt_messages_json) if s.prompt_messages_json else s.prompt for s in items],
-        "completions": [
-            _messages(s.completion_messages_json) if s.completion_messages_json else s.completion for s in items
-        ],
+        "prompts": [_messages(pm) if pm else p for p, pm in zip(batch.prompts, batch.prompt_messages_json)],
+        "completions": [_messages(cm) if cm else c for c, cm in zip(batch.completions, batch.completion_messages_json)],
     }
-    for column in items[0].example if items else ():
-        kw[column] = [s.example.get(column, "") for s in items]
+    for column in batch.examples[0] if len(batch) else ():
+        kw[column] = [example.get(column, "") for example in batch.examples]
     if "trainer_state" in loaded.info.accepted_keywords:
         kw["trainer_state"] = state
     if not loaded.info.accepts_var_keywords:
@@ -272,7 +270,7 @@ def _batch_outcomes(result: Any, n: int) -> list:
     return [_check(v) for v in values]
 
 
-def _run_sync(items: list, timeout_s: float, state: Optional[TrainerState], style: str) -> list:
+def _run_sync(batch: SampleBatch, timeout_s: float, state: Optional[TrainerState], style: str) -> list:
     def timed(call: Callable[[], Any]) -> tuple:
         try:
             signal.signal(signal.SIGALRM, _on_alarm)  # the user's code may have installed its own
@@ -287,11 +285,11 @@ def _run_sync(items: list, timeout_s: float, state: Optional[TrainerState], styl
             return None, _error(e)
 
     if style == "batch":
-        value, failed = timed(lambda: _loaded().fn(**_batch_kwargs(items, state)))
-        return [failed] * len(items) if failed else _batch_outcomes(value, len(items))
+        value, failed = timed(lambda: _loaded().fn(**_batch_kwargs(batch, state)))
+        return [failed] * len(batch) if failed else _batch_outcomes(value, len(batch))
     outcomes = []
-    for item in items:
-        value, failed = timed(lambda: _sample_call(item, state))
+    for i in range(len(batch)):
+        value, failed = timed(lambda: _sample_call(batch, i, state))
         outcomes.append(failed or _check(value))
     return outcomes
 
@@ -308,44 +306,45 @@ async def _await_bounded(coro, timeout_s: float) -> tuple:
         return None, _error(e)
 
 
-async def _run_async(items: list, timeout_s: float, state: Optional[TrainerState], style: str, limit: int) -> list:
+async def _run_async(batch: SampleBatch, timeout_s: float, state: Optional[TrainerState], style: str,
+                     limit: int) -> list:
     if style == "batch":
-        value, failed = await _await_bounded(_loaded().fn(**_batch_kwargs(items, state)), timeout_s)
-        return [failed] * len(items) if failed else _batch_outcomes(value, len(items))
+        value, failed = await _await_bounded(_loaded().fn(**_batch_kwargs(batch, state)), timeout_s)
+        return [failed] * len(batch) if failed else _batch_outcomes(value, len(batch))
     gate = asyncio.Semaphore(limit)
 
-    async def one(item: SampleInput) -> Outcome:
+    async def one(i: int) -> Outcome:
         async with gate:
             try:
-                coro = _sample_call(item, state)
+                coro = _sample_call(batch, i, state)
             except BaseException as e:  # noqa: BLE001
                 return _error(e)
             value, failed = await _await_bounded(coro, timeout_s)
             return failed or _check(value)
 
-    return list(await asyncio.gather(*(one(item) for item in items)))
+    return list(await asyncio.gather(*(one(i) for i in range(len(batch)))))
 
 
-def score_task(items: list, timeout_s: float, trainer_state: Optional[TrainerState]) -> ChunkResult:
-    """Scores a chunk of samples (:class:`SampleInput`) in this worker: one :class:`Outcome` per sample, in order,
-    with what the calls printed (bounded)."""
+def score_task(batch: SampleBatch, timeout_s: float, trainer_state: Optional[TrainerState]) -> ChunkResult:
+    """Scores a chunk of samples in this worker: per sample, in order, its outcome, with what the calls printed
+    (bounded)."""
     assert _CONFIG is not None
     sink = _BoundedWriter(_CONFIG.max_log_bytes)
     try:
         is_async = _loaded().info.is_async
     except LoadError as e:  # this worker's own import failed although another's succeeded: report, do not die
-        return ChunkResult([Outcome.failed(Status.ERROR, str(e))] * len(items))
+        return ChunkResult.of([Outcome.failed(Status.ERROR, str(e))] * len(batch))
     try:
         with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
             if is_async:
                 outcomes = asyncio.run(
-                    _run_async(items, timeout_s, trainer_state, _CONFIG.style, _CONFIG.concurrency)
+                    _run_async(batch, timeout_s, trainer_state, _CONFIG.style, _CONFIG.concurrency)
                 )
             else:
-                outcomes = _run_sync(items, timeout_s, trainer_state, _CONFIG.style)
+                outcomes = _run_sync(batch, timeout_s, trainer_state, _CONFIG.style)
     finally:
         _kill_leftover_children()
-    return ChunkResult(outcomes, sink.text(), sink.dropped)
+    return ChunkResult.of(outcomes, sink.text(), sink.dropped)
 
 
 def proc_stat(pid: int) -> Optional[list]:
