@@ -14,12 +14,16 @@ imports them: code that needs the protobuf stubs imports ``rewardbox.wire.pb`` i
 from .constants import (
     DEFAULT_CONCURRENCY,
     DEFAULT_MAX_LOG_BYTES,
+    DEFAULT_WARM,
     DEFAULT_WORKERS,
     GRPC_OPTIONS,
+    GVISOR_WARM,
     HARD_TIMEOUT_MARGIN_S,
     MAX_MESSAGE_BYTES,
     SERVICE_NAME,
+    SLOT_UID_BASE,
     VERSION,
+    sandbox_slots,
 )
 from .status import Outcome, Status
 from .trainer_state import TrainerState, trainer_state_from_wire, trainer_state_to_wire
@@ -27,15 +31,19 @@ from .trainer_state import TrainerState, trainer_state_from_wire, trainer_state_
 __all__ = [
     "DEFAULT_CONCURRENCY",
     "DEFAULT_MAX_LOG_BYTES",
+    "DEFAULT_WARM",
     "DEFAULT_WORKERS",
     "GRPC_OPTIONS",
+    "GVISOR_WARM",
     "HARD_TIMEOUT_MARGIN_S",
     "MAX_MESSAGE_BYTES",
     "Outcome",
     "SERVICE_NAME",
+    "SLOT_UID_BASE",
     "VERSION",
     "Status",
     "TrainerState",
     "trainer_state_from_wire",
+    "sandbox_slots",
     "trainer_state_to_wire",
 ]

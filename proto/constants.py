@@ -20,6 +20,19 @@ HARD_TIMEOUT_MARGIN_S = 2.0
 DEFAULT_WORKERS = 2
 DEFAULT_CONCURRENCY = 16
 DEFAULT_MAX_LOG_BYTES = 64 * 1024
+DEFAULT_WARM = 32
+# Under gVisor each process costs more (about 12 MiB and 10 host threads on its ptrace platform, measured).
+GVISOR_WARM = 8
+
+# Slot processes run under uids of their own, from this base up (no host user is expected there).
+SLOT_UID_BASE = 100000
+
+
+def sandbox_slots(isolation: str, workers: int, warm: int) -> int:
+    """How many slots (uid + scratch directory) one version of a reward's function holds: ``warm`` pre-forked
+    processes for ``isolation: sample`` (at least ``workers``), one per worker for ``isolation: worker``. A
+    sandbox has room for two versions at once, as a reload's new version starts while the old one finishes."""
+    return max(workers, warm) if isolation == "sample" else workers
 
 # The release, reported by every sandbox server (Describe) and the host package alike.
 VERSION = "0.2.0"

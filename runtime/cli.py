@@ -287,7 +287,9 @@ def clean(
     out_console.print(f"removed {len(containers)} leftover container(s)")
     if images:
         tags = prune_images(client)
-        out_console.print(f"removed {len(tags)} unused sandbox image(s){': ' + ', '.join(tags) if tags else ''}")
+        out_console.print(f"removed {len(tags)} unused sandbox image(s)")
+        for tag in tags:
+            out_console.print(f"  {tag}", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -317,7 +319,7 @@ def serve(
 ) -> None:
     """Run a sandbox server (what runs inside each container) as this process, for debugging with grpcurl."""
     # exec, not import: the host side never loads the sandbox's modules.
-    os.execv(sys.executable, [sys.executable, "-m", "rewardbox.sandbox.server", "--listen", listen])
+    os.execv(sys.executable, [sys.executable, "-m", "rewardbox.sandbox", "--listen", listen])
 
 
 def main() -> None:

@@ -30,6 +30,7 @@ log = logging.getLogger("rewardbox")
 
 _OK, _INVALID = Status.OK, Status.INVALID  # enum attribute lookups cost more than the rest of a sample's check
 _OK_WIRE, _UNAVAILABLE_WIRE = Status.OK.wire, Status.UNAVAILABLE.wire
+SPLIT = 4  # parts a retry of a sample-style share is sent in
 TRANSIENT_CODES = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 )
@@ -164,18 +165,40 @@ class RewardClient:
         try:
             async for attempt in retrying:
                 with attempt:
-                    replica = self.replicas[(first + share.attempts) % len(self.replicas)]
                     share.attempts += 1
-                    await self._attempt(replica, share, trainer_state)
+                    await self._attempt(first, share, trainer_state)
         except Exception as e:  # noqa: BLE001 - training must get a score for every sample, whatever happened
             share.last_error = f"sandbox unavailable after {share.attempts} attempt(s): {e}"
             log.warning("reward %s: %d samples fall back to default_score=%r: %s", self.reward.name,
                         len(share.indices) - len(share.outcomes), self.reward.default_score, share.last_error)
 
-    async def _attempt(self, replica: Replica, share: _Share, trainer_state: Optional[pb.TrainerState]) -> None:
+    async def _attempt(self, first: int, share: _Share, trainer_state: Optional[pb.TrainerState]) -> None:
+        """One attempt at the share's unscored samples. A retry of a sample-style share sends them in up to
+        SPLIT parts to different replicas, so a sample that keeps taking its sandbox down ends up alone: with the
+        default three retries, one sample among 64 is isolated and the other 63 keep their scores.
+
+        Raises:
+            TransientSandboxError: some part failed in a way a retry may fix (the parts that scored keep it).
+        """
         todo = [(i, s) for i, s in zip(share.indices, share.samples) if i not in share.outcomes]
         if not todo:
             return
+        retry = share.attempts > 1
+        k = 1 if self.reward.style == "batch" or not retry else min(SPLIT, len(todo))
+        bounds = [round(j * len(todo) / k) for j in range(k + 1)]
+        parts = [todo[a:b] for a, b in zip(bounds, bounds[1:])]
+        replicas = [self.replicas[(first + share.attempts - 1 + j) % len(self.replicas)] for j in range(k)]
+        failures = await asyncio.gather(*(self._request(r, part, share, trainer_state)
+                                          for r, part in zip(replicas, parts)), return_exceptions=True)
+        transient = [f for f in failures if isinstance(f, TransientSandboxError)]
+        fatal = [f for f in failures if isinstance(f, BaseException) and not isinstance(f, TransientSandboxError)]
+        if fatal:
+            raise fatal[0]
+        if transient:
+            raise transient[0]
+
+    async def _request(self, replica: Replica, todo: list, share: _Share,
+                       trainer_state: Optional[pb.TrainerState]) -> None:
         request = pb.ScoreRequest(function=self.reward.name, samples=[s for _, s in todo],
                                   timeout_s=self.reward.timeout_s)
         if trainer_state is not None:
@@ -186,6 +209,8 @@ class RewardClient:
             reply = await replica.score(request, timeout_s=self.deadline_s(len(todo)))
         except TransportError as e:
             if e.code in TRANSIENT_CODES or e.code == grpc.StatusCode.FAILED_PRECONDITION:
+                log.info("reward %s: attempt %d on sandbox %s failed (%s); recovering and retrying", self.reward.name,
+                         share.attempts, replica.name, e)
                 await self._recover(replica, generation, reload=e.code == grpc.StatusCode.FAILED_PRECONDITION)
                 raise TransientSandboxError(f"{replica.name}: {e}") from None
             raise BackendError(f"reward {self.reward.name!r}: sandbox {replica.name} refused the request: {e}") from e

@@ -32,6 +32,8 @@ def function_source(reward: RewardSpec, path: Path) -> pb.FunctionSource:
         source=path.read_text(),
         function=reward.function_name,
         style=pb.STYLE_BATCH if reward.style == "batch" else pb.STYLE_SAMPLE,
+        isolation=pb.ISOLATION_WORKER if reward.isolation == "worker" else pb.ISOLATION_SAMPLE,
+        warm=reward.warm or 0,  # 0: the sandbox's default
         workers=reward.workers,
         concurrency=reward.concurrency,
         max_log_bytes=reward.max_log_bytes,
@@ -62,6 +64,9 @@ class Replica:
         self.start_timeout_s = start_timeout_s
         self.transport = transport or GrpcTransport()
         self.restarts = 0
+        # Set by a recovery that found (or made) the sandbox healthy, until a Score gets through: its connection
+        # may still be in gRPC's reconnect backoff, so the next Score waits for it instead of failing at once.
+        self.reconnecting = False
         self._connection: Optional[Connection] = None
         self._recover_lock = threading.Lock()
         self._generation = 0  # bumps on every recovery, so concurrent failures recover once
@@ -123,9 +128,12 @@ class Replica:
         """Raises TransportError when the sandbox does not answer."""
         return self.connection.describe(timeout_s)
 
-    async def score(self, request: pb.ScoreRequest, timeout_s: float) -> pb.ScoreResponse:
+    async def score(self, request: pb.ScoreRequest, timeout_s: float,
+                    wait_for_ready: bool = False) -> pb.ScoreResponse:
         """One Score RPC with deadline ``timeout_s``. Raises TransportError."""
-        return await self.connection.score(request, timeout_s)
+        reply = await self.connection.score(request, timeout_s, wait_for_ready or self.reconnecting)
+        self.reconnecting = False
+        return reply
 
     def start(self) -> None:
         """Starts the sandbox, waits for health and loads the functions; stops it again if any step fails."""
@@ -158,6 +166,7 @@ class Replica:
                 reload = True
             if reload:
                 self.load()
+            self.reconnecting = True
 
     def _disconnect(self) -> None:
         connection, self._connection = self._connection, None

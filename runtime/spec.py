@@ -104,6 +104,9 @@ class RewardSpec(_Strict):
     source: Path = Field(description="Python file, relative to the config file")
     function: Optional[str] = Field(default=None, description="attribute to call; default: name")
     style: Literal["sample", "batch"] = "sample"
+    isolation: Literal["sample", "worker"] = Field(
+        default="sample", description="sample: a fresh process per sample (per call, batch style); worker: reused "
+        "processes that keep state across samples (trusted code only)")
     packages: list[str] = Field(default_factory=list, description="pip requirement strings, or local folders/wheels")
     timeout_s: PositiveFloat = Field(default=5.0, description="per sample (sample style) or per call (batch)")
     retries: int = Field(default=3, ge=0, description="retries of transient sandbox failures")
@@ -116,6 +119,9 @@ class RewardSpec(_Strict):
     workers: PositiveInt = DEFAULT_WORKERS
     concurrency: PositiveInt = Field(default=DEFAULT_CONCURRENCY,
                                      description="async functions: samples in flight per worker")
+    warm: Optional[PositiveInt] = Field(
+        default=None, le=512, description="isolation: sample: processes kept forked and ready for the next samples "
+        "(default 32; 8 under gVisor, where each costs about 12 MiB)")
     memory: str = Field(default="1g", pattern=r"^\d+(\.\d+)?[bkmgBKMG]?$")
     cpus: PositiveFloat = 1.0
     pids: PositiveInt = 256

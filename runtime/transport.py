@@ -25,11 +25,13 @@ from .wire.pb import reward_pb2 as pb
 from .wire.pb import reward_pb2_grpc as pb_grpc
 
 # gRPC waits 1 s before reconnecting after a failed connect; a sandbox that is starting (or restarting) is up
-# well before that, so reconnect quickly.
+# well before that, so reconnect quickly. min_reconnect_backoff_ms is also the least time a connection attempt may
+# take (gRPC core: the attempt's deadline is the larger of the two): a sandbox forking its warm processes at start
+# may take more than a few milliseconds to answer the HTTP/2 handshake.
 CHANNEL_OPTIONS = (
     *GRPC_OPTIONS,
     ("grpc.initial_reconnect_backoff_ms", 20),
-    ("grpc.min_reconnect_backoff_ms", 20),
+    ("grpc.min_reconnect_backoff_ms", 5000),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
 
@@ -63,8 +65,10 @@ class Connection(Protocol):
     def describe(self, timeout_s: float) -> pb.DescribeResponse:
         """What is loaded and installed."""
 
-    async def score(self, request: pb.ScoreRequest, timeout_s: float) -> pb.ScoreResponse:
-        """Scores a batch; ``timeout_s`` is the RPC's deadline."""
+    async def score(self, request: pb.ScoreRequest, timeout_s: float,
+                    wait_for_ready: bool = False) -> pb.ScoreResponse:
+        """Scores a batch; ``timeout_s`` is the RPC's deadline. ``wait_for_ready``: wait (within the deadline) for
+        a connection that is coming back instead of failing at once."""
 
     def close(self) -> None:
         """Releases the channels. Idempotent."""
@@ -143,9 +147,10 @@ class GrpcConnection:
         except grpc.RpcError as e:
             raise TransportError(e.code(), e.details() or "") from None
 
-    async def score(self, request: pb.ScoreRequest, timeout_s: float) -> pb.ScoreResponse:
+    async def score(self, request: pb.ScoreRequest, timeout_s: float,
+                    wait_for_ready: bool = False) -> pb.ScoreResponse:
         try:
-            return await self._stub().Score(request, timeout=timeout_s)
+            return await self._stub().Score(request, timeout=timeout_s, wait_for_ready=wait_for_ready)
         except grpc.aio.AioRpcError as e:
             raise TransportError(e.code(), e.details() or "") from None
 

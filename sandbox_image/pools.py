@@ -1,238 +1,339 @@
-"""One pool of worker processes per loaded reward function, and the scheduling of a batch across it.
+"""The server's side of one loaded function version: its template process and the requests that run on it.
 
-Fast path: the batch is cut into one chunk per worker and each chunk runs as one task. When a chunk's worker
-dies (crash) or outlives its hard deadline (a hang the soft timeouts could not interrupt), pebble kills and
-replaces the worker, and the chunk's samples are re-run one per task so that only the guilty sample gets
-``crash`` or ``timeout`` and the others keep their real scores.
+Each request carries some samples to one slot process over a socket pair of its own (:mod:`.codec`): the worker
+writes a start byte when it takes the request, then its answer. The server starts the request's deadline at that
+byte, reads at most the answer's bound, and parses it strictly; a worker that runs past its deadline is killed by
+the template, one that dies without answering is ``crash`` with the exit status the template reports.
+
+- ``isolation: sample``: every sample is its own request (a batch-style call, the whole batch), in a fresh slot
+  process; ``workers`` of them run at once (``workers * concurrency`` for async functions), on ``warm`` processes
+  forked ahead.
+- ``isolation: worker``: a batch is cut into one chunk per worker; a chunk whose worker crashed or hung is re-run
+  one sample per request, so only the guilty sample gets ``crash`` or ``timeout``.
+- Batch style, either way: a call that crashed or hung is re-run one sample at a time to find the guilty samples;
+  the innocent ones are then scored together, as one batch, without them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hashlib
+import itertools
 import logging
-import multiprocessing
-import os
-import shutil
-import signal
-import tempfile
-import threading
-from concurrent.futures import TimeoutError as FutureTimeout
-from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
-from typing import Optional
+import socket
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
-from pebble import ProcessExpired, ProcessPool
-
-from ..wire import DEFAULT_CONCURRENCY, DEFAULT_MAX_LOG_BYTES, DEFAULT_WORKERS, HARD_TIMEOUT_MARGIN_S, Status
-from ..wire import TrainerState
-from . import worker
-from .records import BatchResult, FunctionInfo, Outcome, SampleBatch, WorkerConfig
+from ..wire import HARD_TIMEOUT_MARGIN_S, Outcome, Status, TrainerState
+from . import codec
+from .channel import ChannelClosed, recv, send
+from .records import BatchResult, ChunkResult, FunctionInfo, SampleBatch, WorkerConfig
 
 log = logging.getLogger("rewardbox.sandbox")
 
-_MP_CONTEXT = multiprocessing.get_context("forkserver")
-# Workers fork from a clean server process that never ran gRPC threads; preloading keeps the fork cheap.
-_MP_CONTEXT.set_forkserver_preload([worker.__name__])
+_READ_CHUNK = 1 << 16
+
+
+class PoolUnavailable(Exception):
+    """The function's processes cannot take requests (its template is gone, or no slot could be prepared)."""
+
+
+class LoadError(Exception):
+    """The module or function cannot be used; the message names the file, line and fix."""
 
 
 @dataclass
-class FunctionPool:
-    """A loaded function version and the worker processes that serve it."""
+class _Exit:
+    status: str
+    event: asyncio.Event = field(default_factory=asyncio.Event)
 
-    name: str
-    filename: str
-    function: str
-    style: str
-    source_sha256: str
-    workers: int
-    concurrency: int
-    info: FunctionInfo = FunctionInfo(is_async=False)  # until describe() asked a worker
-    pool: Optional[ProcessPool] = None
-    registry_dir: str = ""
-    in_flight: int = 0  # Score requests using this version (all on the server's event loop: no lock needed)
-    retiring: bool = False
+
+def _hung_or_crashed(done: Optional[ChunkResult], failed: Optional[Outcome]):
+    """A batch-style call whose answer times out every sample hung (its own soft timeout answered): the same as a
+    worker killed at its deadline."""
+    if done is not None and done.statuses and all(s == Status.TIMEOUT for s in done.statuses):
+        return None, Outcome.failed(Status.TIMEOUT, done.errors[0])
+    return done, failed
+
+
+class FunctionPool:
+    """A loaded function version: its template process and the requests that run on it."""
+
+    def __init__(self, config: WorkerConfig, sock: socket.socket, slots: int):
+        self.config = config
+        self.name, self.filename, self.function, self.style = config.name, config.filename, config.function, \
+            config.style
+        self.sock = sock
+        self.slots = slots
+        self.info = FunctionInfo(is_async=False)
+        self.in_flight = 0
+        self.retiring = False
+        self.dead: Optional[str] = None  # why the template is gone
+        self.broken_slots: set = set()
+        self._ids = itertools.count(1)
+        self._exits: dict[int, _Exit] = {}
+        self._loaded: Optional[asyncio.Future] = None
+        self._gate: Optional[asyncio.Semaphore] = None
 
     @classmethod
-    def start(
-        cls,
-        *,
-        name: str,
-        filename: str,
-        source: str,
-        function: str,
-        style: str,
-        workers: int = 0,
-        concurrency: int = 0,
-        max_log_bytes: int = 0,
-    ) -> "FunctionPool":
-        # Worker pids are registered here; the local backend kills their process groups when it stops us.
-        registry_dir = tempfile.mkdtemp(prefix=f"{name[:20]}-", dir=os.environ.get("REWARDBOX_STATE_DIR"))
-        config = WorkerConfig(
-            name=name,
-            filename=filename,
-            source=source,
-            function=function,
-            style=style,
-            concurrency=concurrency or DEFAULT_CONCURRENCY,
-            max_log_bytes=max_log_bytes or DEFAULT_MAX_LOG_BYTES,
-            registry_dir=registry_dir,
-        )
-        n = workers or DEFAULT_WORKERS
-        pool = ProcessPool(max_workers=n, initializer=worker.init_worker, initargs=(config,), context=_MP_CONTEXT)
-        return cls(
-            name=name,
-            filename=filename,
-            function=function,
-            style=style,
-            source_sha256=hashlib.sha256(source.encode()).hexdigest(),
-            workers=n,
-            concurrency=config.concurrency,
-            pool=pool,
-            registry_dir=registry_dir,
-        )
-
-    async def describe(self, timeout_s: float = 60.0) -> FunctionInfo:
-        """Checks the function as a worker loaded it (workers import in their initializer, before any task).
+    async def start(cls, config: WorkerConfig, spawn: Callable, timeout_s: float) -> "FunctionPool":
+        """Asks the supervisor for a template and waits until it imported the module.
 
         Raises:
-            worker.LoadError: the module or function cannot be used, or importing outlasted timeout_s.
+            LoadError: the module or function cannot be used, or importing outlasted timeout_s.
+            PoolUnavailable: no template could be started.
         """
-        future = self.pool.schedule(worker.describe_task, timeout=timeout_s)
+        sock, slots = await spawn(config)
+        pool = cls(config, sock, slots)
+        loop = asyncio.get_running_loop()
+        pool._loaded = loop.create_future()
+        sock.setblocking(True)  # messages are small and whole: a readable socket is read at once
+        loop.add_reader(sock.fileno(), pool._on_message)
         try:
-            # The bound covers the initializer's import too, which pebble's task timeout does not.
-            self.info = await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
-        except (FutureTimeout, asyncio.TimeoutError):
-            raise worker.LoadError(f"{self.filename}: importing took longer than {timeout_s:.0f}s; a slow import "
-                                   "needs a larger sandbox.start_timeout_s") from None
-        except ProcessExpired as e:
-            raise worker.LoadError(f"{self.filename}: the worker died while importing (exit code {e.exitcode})")
-        except BrokenProcessPool:
-            raise worker.LoadError(f"{self.filename}: every worker died while importing it (os._exit, a crash, or "
-                                   "the memory limit at import time)") from None
-        return self.info
+            info = await asyncio.wait_for(asyncio.shield(pool._loaded), timeout_s)
+        except asyncio.TimeoutError:
+            pool.close()
+            raise LoadError(f"{config.filename}: importing took longer than {timeout_s:.0f}s; a slow import needs "
+                            "a larger sandbox.start_timeout_s") from None
+        except BaseException:
+            pool.close()
+            raise
+        pool.info = info
+        running = config.workers * (config.concurrency if info.is_async else 1)
+        pool._gate = asyncio.Semaphore(max(1, min(running, slots)) if config.isolation == "sample"
+                                       else max(1, config.workers))
+        return pool
 
+    # -- messages from the template ------------------------------------------------------------------------------
+    def _on_message(self) -> None:
+        try:
+            message, _ = recv(self.sock)
+        except (ChannelClosed, OSError, ValueError):
+            self._gone("its template process exited")
+            return
+        op = message.get("op")
+        if op == "loaded" and self._loaded is not None and not self._loaded.done():
+            info = message["info"]
+            self._loaded.set_result(FunctionInfo(bool(info["is_async"]), tuple(info["accepted_keywords"]),
+                                                 bool(info["accepts_var_keywords"]), str(info["signature"])))
+        elif op == "load_error" and self._loaded is not None and not self._loaded.done():
+            self._loaded.set_exception(LoadError(message["message"]))
+        elif op == "exited":
+            exit_ = self._exits.setdefault(int(message["req"]), _Exit(str(message["status"])))
+            exit_.status = str(message["status"])
+            exit_.event.set()
+        elif op == "slot_failed":
+            self.broken_slots.add(message["slot"])
+            log.error("reward %s: slot %s cannot be prepared: %s", self.name, message["slot"], message["reason"])
+            if len(self.broken_slots) >= self.slots:
+                self._gone("no slot process could be prepared")
+
+    def _gone(self, why: str) -> None:
+        if self.dead is None:
+            self.dead = why
+            log.error("reward %s: %s", self.name, why)
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self.sock.fileno())
+        if self._loaded is not None and not self._loaded.done():
+            self._loaded.set_exception(LoadError(f"{self.filename}: the process importing it died (os._exit, a "
+                                                 "crash, or the memory limit at import time)"))
+
+    # -- scoring -------------------------------------------------------------------------------------------------
     async def score(self, batch: SampleBatch, timeout_s: float, state: Optional[TrainerState]) -> BatchResult:
-        """Scores a batch across the workers; one outcome per sample, in order. Never raises for user-code
-        failures."""
+        """One outcome per sample, in order. Never raises for reward-code failures.
+
+        Raises:
+            PoolUnavailable: the function's processes are gone; the caller retries elsewhere.
+        """
         if not len(batch):
             return BatchResult()
         self.in_flight += 1
         try:
-            return await self._score(batch, timeout_s, state)
+            state_dict = None if state is None else dict(vars(state))
+            if self.style == "batch":
+                return await self._score_call(batch, timeout_s, state_dict)
+            if self.config.isolation == "sample":
+                parts = [batch.slice(i, i + 1) for i in range(len(batch))]
+            else:
+                k = min(self.config.workers, len(batch))
+                bounds = [round(i * len(batch) / k) for i in range(k + 1)]
+                parts = [batch.slice(a, b) for a, b in zip(bounds, bounds[1:])]
+            merged = BatchResult()
+            for part in await asyncio.gather(*(self._score_part(p, timeout_s, state_dict) for p in parts)):
+                merged.add(part)
+            return merged
         finally:
             self.in_flight -= 1
             if self.retiring and self.in_flight == 0:
-                self.close(wait=True)
+                self.close()
 
-    async def _score(self, batch: SampleBatch, timeout_s: float, state: Optional[TrainerState]) -> BatchResult:
-        # A batch-style function sees exactly the batch it was given (TRL rewards may compare within it).
-        n_chunks = 1 if self.style == "batch" else min(self.workers, len(batch))
-        bounds = [round(i * len(batch) / n_chunks) for i in range(n_chunks + 1)]
-        chunks = [batch.slice(a, b) for a, b in zip(bounds, bounds[1:])]
-        merged = BatchResult()
-        for result in await asyncio.gather(*(self._score_chunk(c, timeout_s, state) for c in chunks)):
-            merged.add(result)
-        return merged
+    async def _score_part(self, part: SampleBatch, timeout_s: float, state: Optional[dict]) -> BatchResult:
+        result = BatchResult()
+        done, failed = await self._request(part, timeout_s, state)
+        if done is not None:
+            result.add(done)
+            return result
+        result.workers_replaced = 1
+        if len(part) == 1:
+            result.add_failed(failed)
+            return result
+        # A reused worker crashed or hung on this chunk: one sample per request finds the guilty one.
+        result.isolated_reruns = len(part)
+        for single in await asyncio.gather(*(self._score_part(part.slice(i, i + 1), timeout_s, state)
+                                             for i in range(len(part)))):
+            result.add(single)
+            result.workers_replaced += single.workers_replaced
+        return result
+
+    async def _score_call(self, batch: SampleBatch, timeout_s: float, state: Optional[dict]) -> BatchResult:
+        """A batch-style call; after a crash or hang, the guilty samples alone and the innocent ones together."""
+        done, failed = _hung_or_crashed(*await self._request(batch, timeout_s, state))
+        result = BatchResult()
+        if done is not None:
+            result.add(done)
+            return result
+        if len(batch) == 1:
+            result.add_failed(failed)
+            result.workers_replaced = 1
+            return result
+        singles = [_hung_or_crashed(*single) for single in await asyncio.gather(
+            *(self._request(batch.slice(i, i + 1), timeout_s, state) for i in range(len(batch))))]
+        innocent = [i for i, (single_done, _) in enumerate(singles) if single_done is not None]
+        together: Optional[ChunkResult] = None
+        again: Optional[Outcome] = failed
+        if innocent:
+            subset = SampleBatch(*([column[i] for i in innocent] for column in (
+                batch.prompts, batch.completions, batch.examples, batch.prompt_messages_json,
+                batch.completion_messages_json)))
+            together, again = _hung_or_crashed(*await self._request(subset, timeout_s, state))
+        position = {i: k for k, i in enumerate(innocent)}
+        for i, (_, single_failed) in enumerate(singles):
+            if single_failed is not None:
+                result.add_failed(single_failed)
+            elif together is not None:
+                k = position[i]
+                result.add(ChunkResult([together.values[k]], [together.statuses[k]], [together.errors[k]]))
+            else:  # the innocent samples failed together as well: they share that failure
+                result.add_failed(Outcome.failed(again.status, f"{again.error} (scored together with the other "
+                                                               "samples that pass alone)"))
+        result.logs = together.logs if together is not None else ""
+        result.workers_replaced = 1 + sum(1 for _, f in singles if f is not None)
+        result.isolated_reruns = len(batch)
+        return result
 
     def _hard_timeout(self, n: int, timeout_s: float) -> float:
         if self.style == "batch":
             per_call = 1
         elif self.info.is_async:
-            per_call = -(-n // max(1, self.concurrency))
+            per_call = -(-n // max(1, self.config.concurrency))
         else:
             per_call = n
         return per_call * timeout_s + HARD_TIMEOUT_MARGIN_S
 
-    async def _run(self, batch: SampleBatch, timeout_s: float, state: Optional[TrainerState]):
-        """(ChunkResult, None) when the worker answered, else (None, the Outcome of a killed or dead worker)."""
-        future = self.pool.schedule(
-            worker.score_task, args=(batch, timeout_s, state), timeout=self._hard_timeout(len(batch), timeout_s)
-        )
+    async def _request(self, batch: SampleBatch, timeout_s: float, state: Optional[dict]):
+        """(ChunkResult, None) when a worker answered well-formed, else (None, the Outcome the samples share).
+
+        Raises:
+            PoolUnavailable: the template is gone (nothing started), so the caller can retry elsewhere.
+        """
+        async with self._gate:
+            if self.dead is not None:
+                raise PoolUnavailable(f"reward {self.name!r}: {self.dead}")
+            request = next(self._ids)
+            ours, theirs = socket.socketpair()
+            try:
+                send(self.sock, {"op": "run", "req": request}, fds=[theirs.fileno()])
+            except OSError as e:
+                ours.close()
+                raise PoolUnavailable(f"reward {self.name!r}: its template is gone ({e})") from None
+            finally:
+                theirs.close()
+            try:
+                return await self._exchange(ours, request, batch, timeout_s, state)
+            finally:
+                ours.close()
+                self._exits.pop(request, None)
+                if self.config.isolation == "worker" and self.dead is None:
+                    try:
+                        send(self.sock, {"op": "done", "req": request})
+                    except OSError:
+                        pass
+
+    async def _exchange(self, ours: socket.socket, request: int, batch: SampleBatch, timeout_s: float,
+                        state: Optional[dict]):
+        loop = asyncio.get_running_loop()
+        ours.setblocking(False)
+        await loop.sock_sendall(ours, codec.encode_request(batch, timeout_s, state))
+        ours.shutdown(socket.SHUT_WR)
+        # Waiting for a free slot has no deadline of its own: the RPC's deadline covers it.
+        first = await self._read_start(ours)
+        if first is None:
+            if self.dead is not None:
+                raise PoolUnavailable(f"reward {self.name!r}: {self.dead}")
+            return None, await self._died(request)
+        limit = codec.result_limit(len(batch), self.config.max_log_bytes)
         try:
-            return await asyncio.wrap_future(future), None
-        except FutureTimeout:
+            data = await asyncio.wait_for(self._read_bounded(ours, limit + 1),
+                                          self._hard_timeout(len(batch), timeout_s))
+        except asyncio.TimeoutError:
+            try:
+                send(self.sock, {"op": "kill", "req": request})
+            except OSError:
+                pass
             return None, Outcome.failed(Status.TIMEOUT, f"exceeded timeout_s={timeout_s:g}; the worker was killed")
-        except ProcessExpired as e:
-            return None, Outcome.failed(Status.CRASH,
-                                        f"worker process died (exit code {e.exitcode}, {_signal_name(e)})")
-
-    async def _score_chunk(self, batch: SampleBatch, timeout_s: float, state: Optional[TrainerState]) -> BatchResult:
-        done, failed = await self._run(batch, timeout_s, state)
-        result = BatchResult()
-        if done is not None:
-            result.add(done)
-            return result
-        self.reap_orphans()
-        result.workers_replaced = 1
-        if len(batch) == 1:
-            result.add_failed(failed)
-            return result
-        singles = await asyncio.gather(*(self._run(batch.slice(i, i + 1), timeout_s, state)
-                                         for i in range(len(batch))))
-        result.isolated_reruns = len(batch)
-        for single_done, single_failed in singles:
-            if single_done is not None:
-                result.add(single_done)
-            else:
-                result.add_failed(single_failed)
-                result.workers_replaced += 1
-        self.reap_orphans()
-        return result
-
-    def reap_orphans(self) -> None:
-        """Kills what dead workers left behind (a fork bomb's children would otherwise hold the pids limit)."""
+        if not data:
+            return None, await self._died(request)
         try:
-            pids = os.listdir(self.registry_dir)
-        except OSError:
-            return
-        for name in pids:
-            pid = int(name)
-            if _alive(pid):
-                continue
-            # The worker led its own process group; whatever is still in that group is an orphan of ours.
-            for _ in range(20):
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    break
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(self.registry_dir, name))
+            return codec.decode_result(data, len(batch), self.config.max_log_bytes), None
+        except codec.MalformedResult as e:
+            return None, Outcome.failed(Status.INVALID, f"malformed answer from the worker: {e}")
 
+    async def _read_start(self, ours: socket.socket) -> Optional[bytes]:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                byte = await asyncio.wait_for(loop.sock_recv(ours, 1), 1.0)
+            except asyncio.TimeoutError:
+                if self.dead is not None:
+                    return None
+                continue
+            return byte if byte == codec.STARTED else None
+
+    async def _read_bounded(self, ours: socket.socket, limit: int) -> bytes:
+        loop = asyncio.get_running_loop()
+        chunks, size = [], 0
+        while size < limit:
+            data = await loop.sock_recv(ours, min(_READ_CHUNK, limit - size))
+            if not data:
+                break
+            chunks.append(data)
+            size += len(data)
+        return b"".join(chunks)
+
+    async def _died(self, request: int) -> Outcome:
+        exit_ = self._exits.setdefault(request, _Exit(""))
+        try:
+            await asyncio.wait_for(exit_.event.wait(), 2.0)
+        except asyncio.TimeoutError:
+            pass
+        how = f" ({exit_.status})" if exit_.status else ""
+        return Outcome.failed(Status.CRASH, f"worker process died{how}")
+
+    # -- life ----------------------------------------------------------------------------------------------------
     def retire(self) -> None:
-        """A newer version took over: stop the workers once the requests still using this one are done."""
+        """A newer version took over: stop once the requests still using this one are done."""
         self.retiring = True
         if self.in_flight == 0:
-            self.close(wait=True)
+            self.close()
 
-    def close(self, wait: bool) -> None:
-        """Stops the workers: after in-flight tasks finish (``wait``) or at once."""
-        pool, self.pool = self.pool, None
-        if pool is None:
-            return
-        if wait:
-            pool.close()
-            threading.Thread(target=self._join_and_reap, args=(pool,), daemon=True).start()
-        else:
-            pool.stop()
-            self._join_and_reap(pool)
-
-    def _join_and_reap(self, pool: ProcessPool) -> None:
-        with contextlib.suppress(Exception):
-            pool.join(timeout=30)
-        self.reap_orphans()
-        shutil.rmtree(self.registry_dir, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    fields = worker.proc_stat(pid)
-    return fields is not None and fields[0] != "Z"  # a zombie has exited
-
-
-def _signal_name(e: ProcessExpired) -> str:
-    code = e.exitcode or 0
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return signal.Signals(-code).name
-    return "exited"
+    def close(self) -> None:
+        if self.dead is None:
+            try:
+                send(self.sock, {"op": "close"})
+            except OSError:
+                pass
+            self.dead = "closed"
+            try:
+                asyncio.get_running_loop().remove_reader(self.sock.fileno())
+            except (RuntimeError, ValueError):
+                pass
+        self.sock.close()

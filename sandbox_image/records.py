@@ -18,16 +18,18 @@ __all__ = ["BatchResult", "ChunkResult", "FunctionInfo", "Outcome", "SampleBatch
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """The one function version a worker process serves."""
+    """The one function version a template serves, and how its slot processes run."""
 
     name: str
     filename: str
     source: str
     function: str
     style: str  # "sample" | "batch"
-    concurrency: int
+    isolation: str  # "sample": a fresh process per sample (per call, batch style) | "worker": reused processes
+    workers: int  # samples (sync) or requests (worker isolation) running at once
+    concurrency: int  # async functions: samples in flight per process
     max_log_bytes: int
-    registry_dir: str  # where each worker registers its pid (its process group is killed when it is gone)
+    warm: int  # isolation sample: processes kept forked and ready
 
 
 @dataclass(frozen=True)

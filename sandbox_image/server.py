@@ -1,20 +1,23 @@
-"""The reward sandbox gRPC server: ``python -m rewardbox.sandbox.server --listen unix:///run/rewardbox/grpc.sock``.
+"""The reward sandbox gRPC server (started by ``python -m rewardbox.sandbox``, see :mod:`.__main__`).
 
-The same server runs inside a Docker container (docker backend) and as a plain subprocess (local backend).
-User code never runs in this process: it runs in worker processes (see :mod:`rewardbox.sandbox.pools`).
+The same server runs inside a Docker container (docker backend) and as a plain subprocess (local backend). It runs
+no reward code: templates import the reward modules and slot processes call them (:mod:`.pools`, :mod:`.template`,
+:mod:`.slot`); the supervisor, its child, starts templates. It trusts nothing a slot process sends.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import platform
 import signal
+import socket
 import sys
 import time
+from dataclasses import asdict
 from importlib import metadata
 from typing import Optional
 
@@ -23,16 +26,28 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from ..wire import GRPC_OPTIONS, SERVICE_NAME, Status, trainer_state_from_wire
+from ..wire import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_MAX_LOG_BYTES,
+    DEFAULT_WARM,
+    DEFAULT_WORKERS,
+    GRPC_OPTIONS,
+    SERVICE_NAME,
+    Status,
+    sandbox_slots,
+    trainer_state_from_wire,
+)
 from ..wire.pb import reward_pb2 as pb
 from ..wire.pb import reward_pb2_grpc as pb_grpc
-from . import __version__, worker
-from .pools import FunctionPool
-from .records import SampleBatch
+from . import __version__
+from .channel import recv, send
+from .pools import FunctionPool, LoadError, PoolUnavailable
+from .records import SampleBatch, WorkerConfig
 
 log = logging.getLogger("rewardbox.sandbox")
 
 _STYLE_NAMES = {pb.STYLE_SAMPLE: "sample", pb.STYLE_BATCH: "batch"}
+_ISOLATION_NAMES = {pb.ISOLATION_UNSPECIFIED: "sample", pb.ISOLATION_SAMPLE: "sample", pb.ISOLATION_WORKER: "worker"}
 
 
 def _info(fp: FunctionPool) -> pb.FunctionInfo:
@@ -43,71 +58,126 @@ def _info(fp: FunctionPool) -> pb.FunctionInfo:
         style=pb.STYLE_BATCH if fp.style == "batch" else pb.STYLE_SAMPLE,
         is_async=fp.info.is_async,
         signature=fp.info.signature,
-        source_sha256=fp.source_sha256,
+        source_sha256=hashlib.sha256(fp.config.source.encode()).hexdigest(),
         accepted_keywords=list(fp.info.accepted_keywords),
         accepts_var_keywords=fp.info.accepts_var_keywords,
     )
 
 
-class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
-    """Holds the loaded functions; all process handling lives in FunctionPool."""
+def _config(fn: pb.FunctionSource, default_warm: int) -> WorkerConfig:
+    return WorkerConfig(
+        name=fn.name,
+        filename=fn.filename,
+        source=fn.source,
+        function=fn.function or fn.name,
+        style=_STYLE_NAMES[fn.style],
+        isolation=_ISOLATION_NAMES.get(fn.isolation, "sample"),
+        workers=fn.workers or DEFAULT_WORKERS,
+        concurrency=fn.concurrency or DEFAULT_CONCURRENCY,
+        max_log_bytes=fn.max_log_bytes or DEFAULT_MAX_LOG_BYTES,
+        warm=fn.warm or default_warm,
+    )
 
-    def __init__(self) -> None:
+
+class Supervisor:
+    """The server's handle on its supervisor process: it starts templates (which the server cannot: it holds no
+    right to switch uids)."""
+
+    def __init__(self, pid: int, sock: socket.socket, nproc: Optional[int] = None, memory: Optional[int] = None):
+        """``nproc``: RLIMIT_NPROC of each slot uid (None on the local backend, where slots share the trainer's
+        uid and the limit would count all of its processes); ``memory``: RLIMIT_AS of each slot process."""
+        self.pid, self.sock = pid, sock
+        self.nproc, self.memory = nproc, memory
+        self.alive = True
+        self._lock = asyncio.Lock()
+
+    def _spawn_blocking(self, config: WorkerConfig, slots: int) -> tuple[socket.socket, int]:
+        send(self.sock, {"op": "template", "config": asdict(config), "slots": slots, "nproc": self.nproc,
+                         "memory": self.memory})
+        reply, fds = recv(self.sock)
+        if "error" in reply or not fds:
+            raise PoolUnavailable(f"reward {config.name!r}: the supervisor could not start it: "
+                                  f"{reply.get('error', 'no socket')}")
+        return socket.socket(fileno=fds[0]), int(reply["slots"])
+
+    async def spawn(self, config: WorkerConfig) -> tuple[socket.socket, int]:
+        if not self.alive:
+            raise PoolUnavailable("the sandbox's supervisor process is gone")
+        async with self._lock:
+            try:
+                return await asyncio.to_thread(self._spawn_blocking, config,
+                                               sandbox_slots(config.isolation, config.workers, config.warm))
+            except (OSError, ValueError) as e:
+                raise PoolUnavailable(f"the sandbox's supervisor process is gone ({e})") from None
+
+
+class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
+    """Holds the loaded functions; the processes behind them live in FunctionPool."""
+
+    def __init__(self, supervisor: Supervisor, default_warm: int = DEFAULT_WARM) -> None:
+        self.supervisor = supervisor
+        self.default_warm = default_warm
         self.functions: dict[str, FunctionPool] = {}
         self._load_lock = asyncio.Lock()
 
+    async def _start(self, config: WorkerConfig, budget_s: float) -> FunctionPool:
+        return await FunctionPool.start(config, self.supervisor.spawn, budget_s)
+
     async def Load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadResponse:
         async with self._load_lock:
-            started: list[FunctionPool] = []
             errors: list[str] = []
+            configs = []
             for fn in request.functions:
                 if fn.style not in _STYLE_NAMES:
                     errors.append(f"{fn.filename}: reward {fn.name!r} has no style")
-                    continue
-                fp = FunctionPool.start(
-                    name=fn.name,
-                    filename=fn.filename,
-                    source=fn.source,
-                    function=fn.function or fn.name,
-                    style=_STYLE_NAMES[fn.style],
-                    workers=fn.workers,
-                    concurrency=fn.concurrency,
-                    max_log_bytes=fn.max_log_bytes,
-                )
-                started.append(fp)
+                else:
+                    configs.append(_config(fn, self.default_warm))
             # Importing may take as long as the caller's deadline allows (a model loaded at module level).
             remaining = context.time_remaining()
             budget = max(1.0, remaining - 1.0) if remaining is not None else 60.0
-            try:
-                described = await asyncio.gather(*(fp.describe(budget) for fp in started), return_exceptions=True)
-            except BaseException:  # the caller went away (cancelled): these pools will never serve
+            outcomes = await asyncio.gather(*(self._start(c, budget) for c in configs), return_exceptions=True)
+            started = [o for o in outcomes if isinstance(o, FunctionPool)]
+            unavailable = [o for o in outcomes if isinstance(o, PoolUnavailable)]
+            errors += [str(o) if isinstance(o, LoadError) else repr(o) for o in outcomes
+                       if isinstance(o, BaseException) and not isinstance(o, PoolUnavailable)]
+            if errors or unavailable:
                 for fp in started:
-                    fp.close(wait=False)
-                raise
-            for fp, outcome in zip(started, described):
-                if isinstance(outcome, BaseException):
-                    errors.append(str(outcome) if isinstance(outcome, worker.LoadError) else repr(outcome))
-            if errors:
-                for fp in started:
-                    fp.close(wait=False)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "\n".join(errors))
+                    fp.close()
+                if errors:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "\n".join(errors))
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "\n".join(map(str, unavailable)))
             for fp in started:
                 old = self.functions.get(fp.name)
                 self.functions[fp.name] = fp
                 if old is not None:
                     old.retire()
-                log.info("loaded %s from %s (%s)", fp.name, fp.filename, fp.source_sha256[:12])
+                log.info("loaded %s from %s (isolation: %s)", fp.name, fp.filename, fp.config.isolation)
             return pb.LoadResponse(functions=[_info(fp) for fp in started])
 
-    async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
-        fp = self.functions.get(request.function)
+    async def _pool(self, name: str, context: grpc.aio.ServicerContext) -> FunctionPool:
+        """The function's pool; one whose template died is started again (the same version)."""
+        fp = self.functions.get(name)
         if fp is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"reward {request.function!r} is not loaded here (loaded: {', '.join(self.functions) or 'none'})",
+                f"reward {name!r} is not loaded here (loaded: {', '.join(self.functions) or 'none'})",
             )
+        if fp.dead is not None:
+            async with self._load_lock:
+                if self.functions.get(name) is fp:
+                    log.warning("reward %s: %s; starting it again", name, fp.dead)
+                    try:
+                        fresh = await self._start(fp.config, 60.0)
+                    except (LoadError, PoolUnavailable) as e:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, f"reward {name!r} cannot run here: {e}")
+                    self.functions[name] = fresh
+                fp = self.functions[name]
+        return fp
+
+    async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
         if request.timeout_s <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "timeout_s must be positive")
+        fp = await self._pool(request.function, context)
         started = time.monotonic()
         samples = request.samples
         batch = SampleBatch(
@@ -118,7 +188,10 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
             completion_messages_json=[s.completion_messages_json for s in samples],
         )
         state = trainer_state_from_wire(request.trainer_state) if request.has_trainer_state else None
-        result = await fp.score(batch, request.timeout_s, state)
+        try:
+            result = await fp.score(batch, request.timeout_s, state)
+        except PoolUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         scores = [
             pb.Score(value=value, status=status.wire, error=error)
             if value is not None and status == Status.OK
@@ -151,24 +224,32 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
 
     def close(self) -> None:
         for fp in self.functions.values():
-            fp.close(wait=False)
+            fp.close()
 
 
-async def serve(listen: str, parent_pid: Optional[int] = None, grace_s: float = 2.0) -> None:
-    """Serves until SIGTERM/SIGINT, or until ``parent_pid`` exits (local backend: never outlive the trainer)."""
+async def serve(listen: str, supervisor: Supervisor, parent_pid: Optional[int] = None, grace_s: float = 2.0,
+                default_warm: Optional[int] = None) -> None:
+    """Serves until SIGTERM/SIGINT, or until ``parent_pid`` exits (local backend: never outlive the trainer).
+    Health turns NOT_SERVING when the supervisor is gone, so the host replaces the sandbox."""
     if listen.startswith("unix://"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(listen[len("unix://") :])
+    supervisor.sock.setblocking(True)
     server = grpc.aio.server(options=GRPC_OPTIONS)
-    servicer = RewardSandboxServicer()
+    servicer = RewardSandboxServicer(supervisor, default_warm or DEFAULT_WARM)
     pb_grpc.add_RewardSandboxServicer_to_server(servicer, server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    server.add_insecure_port(listen)
-    await server.start()
+    # Only this uid may connect: a socket created 0600 (its directory is the server's alone, too).
+    old_umask = os.umask(0o177)
+    try:
+        server.add_insecure_port(listen)
+        await server.start()
+    finally:
+        os.umask(old_umask)
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     log.info("rewardbox sandbox %s serving on %s", __version__, listen)
@@ -178,14 +259,25 @@ async def serve(listen: str, parent_pid: Optional[int] = None, grace_s: float = 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    async def watch_parent() -> None:
-        while parent_pid and os.getppid() == parent_pid:
+    async def watch() -> None:
+        while True:
+            if parent_pid and os.getppid() != parent_pid:
+                log.warning("parent process %d is gone; shutting down", parent_pid)
+                stop.set()
+                return
+            if supervisor.alive:
+                try:
+                    pid, _ = os.waitpid(supervisor.pid, os.WNOHANG)
+                except ChildProcessError:
+                    pid = supervisor.pid
+                if pid == supervisor.pid:
+                    supervisor.alive = False
+                    log.error("the supervisor process is gone; reporting NOT_SERVING")
+                    for service in ("", SERVICE_NAME):
+                        await health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
             await asyncio.sleep(0.5)
-        if parent_pid:
-            log.warning("parent process %d is gone; shutting down", parent_pid)
-            stop.set()
 
-    watcher = asyncio.ensure_future(watch_parent())
+    watcher = asyncio.ensure_future(watch())
     try:
         await stop.wait()
     finally:
@@ -196,13 +288,10 @@ async def serve(listen: str, parent_pid: Optional[int] = None, grace_s: float = 
 
 
 def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rewardbox.sandbox.server", description=__doc__)
-    parser.add_argument("--listen", required=True, help="unix:///path/to.sock or host:port")
-    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is no longer our parent")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s sandbox %(levelname)s %(message)s")
-    asyncio.run(serve(args.listen, args.parent_pid))
-    return 0
+    """``python -m rewardbox.sandbox.server ...`` is the same as ``python -m rewardbox.sandbox ...``."""
+    from .__main__ import main as entry
+
+    return entry(argv)
 
 
 if __name__ == "__main__":

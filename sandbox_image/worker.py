@@ -1,19 +1,19 @@
-"""Code that runs inside a worker process of the sandbox: loads one reward module and calls it.
+"""Loading a reward function and calling it: what runs inside a slot process of the sandbox.
 
-A worker holds exactly one function version (set by :func:`init_worker`, the pool's initializer) and imports its
-module once, on first use. Each task scores a *chunk* of samples in one go: soft per-sample timeouts come from
-``SIGALRM`` (sync code) or ``asyncio.wait`` (async code); anything that escapes them (a crash, a hang in C code)
-is handled by the server, which kills the worker and re-runs the chunk one sample per task. What crosses to and
-from the server is one of the typed records of :mod:`rewardbox.sandbox.records`.
+A template process imports the reward module once (:func:`load`); slot processes forked from it call the
+function on the samples of a request (:func:`score` / :func:`score_async`). Everything after the user's call that
+could fail on what the user returned (``float()``, ``repr()``, text that cannot be encoded) is guarded per sample:
+it becomes that sample's ``error`` or ``invalid``, never a failure of the request.
 
-Only the standard library (and the standard-library-only parts of rewardbox.wire) is imported here: this module is
-preloaded into the fork server.
+Only the standard library (and the standard-library-only parts of rewardbox.wire) is imported here: templates are
+forked from a process that never loaded grpc.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import inspect
 import io
 import json
@@ -28,11 +28,12 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ..wire import Status, TrainerState
-from .records import ChunkResult, FunctionInfo, Outcome, SampleBatch, WorkerConfig
+from ..wire import Outcome, Status, TrainerState
+from .records import FunctionInfo, SampleBatch, WorkerConfig
 
 # Optional keywords a reward function may declare to receive.
 OPTIONAL_KEYWORDS = ("trainer_state", "prompt_messages", "completion_messages")
+MAX_ERROR_CHARS = 4000
 
 
 class LoadError(Exception):
@@ -44,31 +45,12 @@ class _SampleTimeout(BaseException):
 
 
 @dataclass(frozen=True)
-class _Loaded:
-    """The function a worker serves, with what its signature accepts."""
+class Loaded:
+    """The function a template serves, with what its signature accepts."""
 
     fn: Callable
     info: FunctionInfo
-
-
-_CONFIG: Optional[WorkerConfig] = None
-_LOADED: Optional[_Loaded] = None
-_LOAD_ERROR: Optional[LoadError] = None
-
-
-def init_worker(config: WorkerConfig) -> None:
-    """Pool initializer: imports the reward module in every worker before it takes a task, so that a slow import
-    never counts against a call's timeout. Never raises: an import error is kept and reported on use."""
-    global _CONFIG
-    _CONFIG = config
-    # A process group of our own lets the server kill whatever this worker forked once the worker is gone.
-    with contextlib.suppress(OSError):
-        os.setpgid(0, 0)
-    if _CONFIG.registry_dir:
-        with contextlib.suppress(OSError):
-            open(os.path.join(_CONFIG.registry_dir, str(os.getpid())), "w").close()
-    with contextlib.suppress(LoadError):
-        _loaded()
+    config: WorkerConfig
 
 
 def _on_alarm(signum, frame):
@@ -118,7 +100,7 @@ def _is_async(fn: Callable) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
-def resolve_function(config: WorkerConfig, module: types.ModuleType) -> _Loaded:
+def resolve_function(config: WorkerConfig, module: types.ModuleType) -> Loaded:
     """Finds the function and checks its signature against its style.
 
     Raises:
@@ -158,27 +140,12 @@ def resolve_function(config: WorkerConfig, module: types.ModuleType) -> _Loaded:
                 "(and usually `prompts` and **kwargs). For fn(prompt, completion, example) set `style: sample`."
             )
     accepted = tuple(k for k in OPTIONAL_KEYWORDS if k in named or var_kw)
-    return _Loaded(fn, FunctionInfo(_is_async(fn), accepted, var_kw, f"{config.function}{sig}"))
+    return Loaded(fn, FunctionInfo(_is_async(fn), accepted, var_kw, f"{config.function}{sig}"), config)
 
 
-def _loaded() -> _Loaded:
-    """The loaded function (imported once per worker). Raises the LoadError of a failed import, every time."""
-    global _LOADED, _LOAD_ERROR
-    if _LOADED is None:
-        if _LOAD_ERROR is not None:
-            raise _LOAD_ERROR
-        assert _CONFIG is not None, "init_worker was not called"
-        try:
-            _LOADED = resolve_function(_CONFIG, load_module(_CONFIG))
-        except LoadError as e:
-            _LOAD_ERROR = e
-            raise
-    return _LOADED
-
-
-def describe_task() -> FunctionInfo:
-    """Describes the function this worker loaded. Raises LoadError when it cannot be used."""
-    return _loaded().info
+def load(config: WorkerConfig) -> Loaded:
+    """Imports the module and resolves the function. Raises LoadError (naming file and line)."""
+    return resolve_function(config, load_module(config))
 
 
 class _BoundedWriter(io.TextIOBase):
@@ -191,6 +158,8 @@ class _BoundedWriter(io.TextIOBase):
         return True
 
     def write(self, s: str) -> int:
+        if not isinstance(s, str):
+            raise TypeError(f"write() argument must be str, not {type(s).__name__}")
         room = self.limit - self.size
         if room > 0:
             self.parts.append(s[:room])
@@ -202,36 +171,58 @@ class _BoundedWriter(io.TextIOBase):
         return "".join(self.parts)
 
 
+def _shown(value: Any) -> str:
+    try:
+        text = repr(value)
+    except BaseException:  # noqa: BLE001 - a raising __repr__ is the value's problem, not ours
+        text = f"<{type(value).__name__} whose repr() raised>"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _check(value: Any) -> Outcome:
+    """The outcome for what the function returned: a finite float (ints and bools count) or None."""
     if value is None:
-        return Outcome.ok(None)
+        return Outcome(None, Status.OK)
     if isinstance(value, numbers.Real):  # int, bool (1.0/0.0, as TRL takes them), numpy scalars
-        f = float(value)
-        if math.isfinite(f):
-            return Outcome.ok(f)
-        return Outcome.failed(Status.INVALID, f"returned {f}; expected a finite float or None")
-    shown = repr(value)
-    shown = shown if len(shown) <= 80 else shown[:77] + "..."
-    return Outcome.failed(Status.INVALID, f"returned {type(value).__name__} {shown}; expected a finite float or None")
+        try:
+            f = float(value)
+        except BaseException as e:  # noqa: BLE001 - a raising __float__
+            return Outcome.failed(Status.INVALID, f"returned {type(value).__name__} whose float() raised "
+                                                  f"{type(e).__name__}")
+        if isinstance(f, float) and math.isfinite(f):
+            return Outcome(f, Status.OK)
+        return Outcome.failed(Status.INVALID, f"returned {_shown(f)}; expected a finite float or None")
+    return Outcome.failed(Status.INVALID,
+                          f"returned {type(value).__name__} {_shown(value)}; expected a finite float or None")
 
 
 def _error(exc: BaseException) -> Outcome:
-    if isinstance(exc, SystemExit):
-        return Outcome.failed(Status.ERROR, f"SystemExit({exc.code!r}) raised by the reward function")
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return Outcome.failed(Status.ERROR, text[-4000:])
+    try:
+        if isinstance(exc, SystemExit):
+            return Outcome.failed(Status.ERROR, f"SystemExit({_shown(exc.code)}) raised by the reward function")
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    except BaseException:  # noqa: BLE001 - an exception whose str() or traceback raises
+        text = f"{type(exc).__name__} (its message could not be formatted)"
+    return Outcome.failed(Status.ERROR, text[-MAX_ERROR_CHARS:])
 
 
 def _timeout(timeout_s: float) -> Outcome:
     return Outcome.failed(Status.TIMEOUT, f"exceeded timeout_s={timeout_s:g}")
 
 
+def _guarded(make: Callable[[], Outcome]) -> Outcome:
+    """Runs post-call processing; whatever it raises is the sample's error."""
+    try:
+        return make()
+    except BaseException as e:  # noqa: BLE001
+        return _error(e)
+
+
 def _messages(text: str) -> Any:
     return json.loads(text) if text else None
 
 
-def _sample_call(batch: SampleBatch, i: int, state: Optional[TrainerState]):
-    loaded = _loaded()
+def _sample_call(loaded: Loaded, batch: SampleBatch, i: int, state: Optional[TrainerState]):
     accepted = loaded.info.accepted_keywords
     kw = {}
     if "trainer_state" in accepted:
@@ -243,8 +234,7 @@ def _sample_call(batch: SampleBatch, i: int, state: Optional[TrainerState]):
     return loaded.fn(batch.prompts[i], batch.completions[i], dict(batch.examples[i]), **kw)
 
 
-def _batch_kwargs(batch: SampleBatch, state: Optional[TrainerState]) -> dict:
-    loaded = _loaded()
+def _batch_kwargs(loaded: Loaded, batch: SampleBatch, state: Optional[TrainerState]) -> dict:
     kw: dict = {
         "prompts": [_messages(pm) if pm else p for p, pm in zip(batch.prompts, batch.prompt_messages_json)],
         "completions": [_messages(cm) if cm else c for c, cm in zip(batch.completions, batch.completion_messages_json)],
@@ -267,10 +257,10 @@ def _batch_outcomes(result: Any, n: int) -> list:
     values = list(result.tolist() if hasattr(result, "tolist") else result)
     if len(values) != n:
         return [Outcome.failed(Status.INVALID, f"batch reward returned {len(values)} values for {n} samples")] * n
-    return [_check(v) for v in values]
+    return [_guarded(lambda v=v: _check(v)) for v in values]
 
 
-def _run_sync(batch: SampleBatch, timeout_s: float, state: Optional[TrainerState], style: str) -> list:
+def _run_sync(loaded: Loaded, batch: SampleBatch, timeout_s: float, state: Optional[TrainerState]) -> list:
     def timed(call: Callable[[], Any]) -> tuple:
         try:
             signal.signal(signal.SIGALRM, _on_alarm)  # the user's code may have installed its own
@@ -284,14 +274,21 @@ def _run_sync(batch: SampleBatch, timeout_s: float, state: Optional[TrainerState
         except BaseException as e:  # noqa: BLE001 - user code may raise anything, SystemExit included
             return None, _error(e)
 
-    if style == "batch":
-        value, failed = timed(lambda: _loaded().fn(**_batch_kwargs(batch, state)))
-        return [failed] * len(batch) if failed else _batch_outcomes(value, len(batch))
+    if loaded.config.style == "batch":
+        value, failed = timed(lambda: loaded.fn(**_batch_kwargs(loaded, batch, state)))
+        return [failed] * len(batch) if failed else _guarded_batch(value, len(batch))
     outcomes = []
     for i in range(len(batch)):
-        value, failed = timed(lambda: _sample_call(batch, i, state))
-        outcomes.append(failed or _check(value))
+        value, failed = timed(lambda: _sample_call(loaded, batch, i, state))
+        outcomes.append(failed or _guarded(lambda: _check(value)))
     return outcomes
+
+
+def _guarded_batch(value: Any, n: int) -> list:
+    try:
+        return _batch_outcomes(value, n)
+    except BaseException as e:  # noqa: BLE001 - e.g. a len() or iteration that raises
+        return [_error(e)] * n
 
 
 async def _await_bounded(coro, timeout_s: float) -> tuple:
@@ -306,81 +303,67 @@ async def _await_bounded(coro, timeout_s: float) -> tuple:
         return None, _error(e)
 
 
-async def _run_async(batch: SampleBatch, timeout_s: float, state: Optional[TrainerState], style: str,
-                     limit: int) -> list:
-    if style == "batch":
-        value, failed = await _await_bounded(_loaded().fn(**_batch_kwargs(batch, state)), timeout_s)
-        return [failed] * len(batch) if failed else _batch_outcomes(value, len(batch))
-    gate = asyncio.Semaphore(limit)
+async def _run_async(loaded: Loaded, batch: SampleBatch, timeout_s: float, state: Optional[TrainerState]) -> list:
+    if loaded.config.style == "batch":
+        try:
+            coro = loaded.fn(**_batch_kwargs(loaded, batch, state))
+        except BaseException as e:  # noqa: BLE001
+            return [_error(e)] * len(batch)
+        value, failed = await _await_bounded(coro, timeout_s)
+        return [failed] * len(batch) if failed else _guarded_batch(value, len(batch))
+    gate = asyncio.Semaphore(loaded.config.concurrency)
 
     async def one(i: int) -> Outcome:
         async with gate:
             try:
-                coro = _sample_call(batch, i, state)
+                coro = _sample_call(loaded, batch, i, state)
             except BaseException as e:  # noqa: BLE001
                 return _error(e)
             value, failed = await _await_bounded(coro, timeout_s)
-            return failed or _check(value)
+            return failed or _guarded(lambda: _check(value))
 
     return list(await asyncio.gather(*(one(i) for i in range(len(batch)))))
 
 
-def score_task(batch: SampleBatch, timeout_s: float, trainer_state: Optional[TrainerState]) -> ChunkResult:
-    """Scores a chunk of samples in this worker: per sample, in order, its outcome, with what the calls printed
-    (bounded)."""
-    assert _CONFIG is not None
-    sink = _BoundedWriter(_CONFIG.max_log_bytes)
+# What the function prints goes to the sink of the request it runs for: a context variable, so that requests
+# served concurrently on one event loop (isolation: worker, async) each get their own output.
+_SINK: contextvars.ContextVar[Optional[_BoundedWriter]] = contextvars.ContextVar("rewardbox_sink", default=None)
+
+
+class _ToRequestSink(io.TextIOBase):
+    def writable(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        sink = _SINK.get()
+        return sink.write(s) if sink is not None else len(s)
+
+
+def install_capture() -> None:
+    """Routes sys.stdout and sys.stderr to the running request's sink (output outside requests is dropped)."""
+    sys.stdout = sys.stderr = _ToRequestSink()
+
+
+@contextlib.contextmanager
+def _captured(limit: int):
+    sink = _BoundedWriter(limit)
+    token = _SINK.set(sink)
     try:
-        is_async = _loaded().info.is_async
-    except LoadError as e:  # this worker's own import failed although another's succeeded: report, do not die
-        return ChunkResult.of([Outcome.failed(Status.ERROR, str(e))] * len(batch))
-    try:
-        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-            if is_async:
-                outcomes = asyncio.run(
-                    _run_async(batch, timeout_s, trainer_state, _CONFIG.style, _CONFIG.concurrency)
-                )
-            else:
-                outcomes = _run_sync(batch, timeout_s, trainer_state, _CONFIG.style)
+        yield sink
     finally:
-        _kill_leftover_children()
-    return ChunkResult.of(outcomes, sink.text(), sink.dropped)
+        _SINK.reset(token)
 
 
-def proc_stat(pid: int) -> Optional[list]:
-    """The fields of /proc/<pid>/stat after the command name (state first, then ppid, pgrp, ...); None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
+def score(loaded: Loaded, batch: SampleBatch, timeout_s: float, state: Optional[TrainerState]) -> tuple:
+    """Scores a request's samples with a sync function. Returns (outcomes, logs, dropped characters)."""
+    with _captured(loaded.config.max_log_bytes) as sink:
+        outcomes = _run_sync(loaded, batch, timeout_s, state)
+    return outcomes, sink.text(), sink.dropped
 
 
-def _kill_leftover_children() -> None:
-    """Kills what the user's code forked and left running (it would hold the pids limit), then reaps it."""
-    me = os.getpid()
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:  # no /proc
-        return
-    try:
-        if not any(open(f"/proc/self/task/{t}/children").read().strip() for t in tasks):
-            return
-    except OSError:
-        pass  # this kernel has no children files (CONFIG_PROC_CHILDREN): look through /proc below
-    try:
-        entries = [e for e in os.listdir("/proc") if e.isdigit() and int(e) != me]
-    except OSError:
-        return
-    for entry in entries:
-        fields = proc_stat(int(entry))
-        if fields and fields[2] == str(me):  # its process group is this worker's
-            with contextlib.suppress(OSError):
-                os.kill(int(entry), signal.SIGKILL)
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+async def score_async(loaded: Loaded, batch: SampleBatch, timeout_s: float, state: Optional[TrainerState]) -> tuple:
+    """Scores a request's samples with an async function on the running loop. Returns (outcomes, logs,
+    dropped characters). Output is captured per request only where one request runs at a time."""
+    with _captured(loaded.config.max_log_bytes) as sink:
+        outcomes = await _run_async(loaded, batch, timeout_s, state)
+    return outcomes, sink.text(), sink.dropped

@@ -114,7 +114,8 @@ class FakeConnection:
     def describe(self, timeout_s: float) -> pb.DescribeResponse:
         return pb.DescribeResponse(server_version="fake")
 
-    async def score(self, request: pb.ScoreRequest, timeout_s: float) -> pb.ScoreResponse:
+    async def score(self, request: pb.ScoreRequest, timeout_s: float,
+                    wait_for_ready: bool = False) -> pb.ScoreResponse:
         return self.sandbox.serve_score(request, timeout_s)
 
     def close(self) -> None:

@@ -13,6 +13,12 @@ class Style(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STYLE_SAMPLE: _ClassVar[Style]
     STYLE_BATCH: _ClassVar[Style]
 
+class Isolation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ISOLATION_UNSPECIFIED: _ClassVar[Isolation]
+    ISOLATION_SAMPLE: _ClassVar[Isolation]
+    ISOLATION_WORKER: _ClassVar[Isolation]
+
 class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     STATUS_UNSPECIFIED: _ClassVar[Status]
@@ -25,6 +31,9 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 STYLE_UNSPECIFIED: Style
 STYLE_SAMPLE: Style
 STYLE_BATCH: Style
+ISOLATION_UNSPECIFIED: Isolation
+ISOLATION_SAMPLE: Isolation
+ISOLATION_WORKER: Isolation
 STATUS_UNSPECIFIED: Status
 STATUS_OK: Status
 STATUS_ERROR: Status
@@ -34,7 +43,7 @@ STATUS_INVALID: Status
 STATUS_UNAVAILABLE: Status
 
 class FunctionSource(_message.Message):
-    __slots__ = ("name", "filename", "source", "function", "style", "workers", "concurrency", "max_log_bytes")
+    __slots__ = ("name", "filename", "source", "function", "style", "workers", "concurrency", "max_log_bytes", "isolation", "warm")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FILENAME_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +52,8 @@ class FunctionSource(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
     MAX_LOG_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ISOLATION_FIELD_NUMBER: _ClassVar[int]
+    WARM_FIELD_NUMBER: _ClassVar[int]
     name: str
     filename: str
     source: str
@@ -51,7 +62,9 @@ class FunctionSource(_message.Message):
     workers: int
     concurrency: int
     max_log_bytes: int
-    def __init__(self, name: _Optional[str] = ..., filename: _Optional[str] = ..., source: _Optional[str] = ..., function: _Optional[str] = ..., style: _Optional[_Union[Style, str]] = ..., workers: _Optional[int] = ..., concurrency: _Optional[int] = ..., max_log_bytes: _Optional[int] = ...) -> None: ...
+    isolation: Isolation
+    warm: int
+    def __init__(self, name: _Optional[str] = ..., filename: _Optional[str] = ..., source: _Optional[str] = ..., function: _Optional[str] = ..., style: _Optional[_Union[Style, str]] = ..., workers: _Optional[int] = ..., concurrency: _Optional[int] = ..., max_log_bytes: _Optional[int] = ..., isolation: _Optional[_Union[Isolation, str]] = ..., warm: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("functions",)

@@ -1,11 +1,8 @@
-"""The ``docker`` backend: each replica of a reward is a hardened container.
-
-Defaults: a non-root user, all capabilities dropped, ``no-new-privileges``, a read-only root filesystem with a
-size-capped tmpfs on ``/tmp``, memory/CPU/pids limits from the reward's config, ``network_mode=none`` with gRPC
-over a Unix socket in a bind-mounted directory (the only host path mounted). ``network: true`` gives egress
-(``sandbox.network_mode``, bridge by default; no ports are published); ``secrets`` passes exactly the named
-host environment variables to that reward's containers. Containers carry labels naming the run and the owning
-process; containers of a run whose process is gone are removed at the next start.
+"""The ``docker`` backend: each replica of a reward is a hardened container (see :mod:`.containers` for what
+each one gets). ``network: true`` gives egress (``sandbox.docker.network_mode``, bridge by default; no ports are
+published); ``secrets`` passes exactly the named host environment variables to that reward's containers.
+Containers carry labels naming the run and the owning process; those of a run whose process is gone are removed at
+the next start.
 """
 
 from __future__ import annotations
@@ -13,30 +10,47 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
+import random
 import socket
-import tempfile
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import docker
 import docker.errors
+import docker.utils
 from pydantic import Field
 
-from ..errors import BackendError
+from ..errors import BackendError, ConfigError
 from ..image import IMAGE_REPO, ImageBuilder
 from ..spec import RewardSpec
-from ..transport import Endpoint
+from ..wire import DEFAULT_WARM, GVISOR_WARM, SLOT_UID_BASE, sandbox_slots
 from .base import BackendSettings, reward_environment
+from .containers import LABEL, ContainerSpec, DockerSandbox, is_gvisor, remove_leftovers
 from .registry import BackendType
 
 log = logging.getLogger("rewardbox")
 
-LABEL = "rewardbox"
-SOCKET_DIR_IN_CONTAINER = "/run/rewardbox"
-UNPRIVILEGED = "65534:65534"  # nobody:nogroup
+NOBODY = 65534
+# Processes of a sandbox itself (init, server, supervisor, templates) beside its slot processes.
+OWN_PROCESSES = 16
+MIN_SLOT_PROCESSES = 16
+# gVisor has no OOM killer of its own: the host's kills its kernel, that is the whole sandbox, when its processes
+# together pass the memory limit (each costs about 12 MiB there, measured). So each sample process gets an address
+# space limit, and a sample at most GVISOR_SAMPLE_PROCESSES processes, leaving this much for the sandbox itself.
+GVISOR_OVERHEAD_BYTES = 256 << 20
+GVISOR_MIN_SAMPLE_BYTES = 256 << 20
+GVISOR_SAMPLE_PROCESSES = 16
+
+
+def sample_limits(reward: RewardSpec, slots: int, gvisor: bool) -> tuple[int, Optional[int]]:
+    """(RLIMIT_NPROC per slot uid, RLIMIT_AS per slot process or None) for a reward's samples."""
+    if gvisor:
+        memory = docker.utils.parse_bytes(reward.memory)
+        return GVISOR_SAMPLE_PROCESSES, max(GVISOR_MIN_SAMPLE_BYTES,
+                                            (memory - GVISOR_OVERHEAD_BYTES) // max(1, reward.workers))
+    # Under runc the kernel's OOM killer takes the sample (oom_score_adj 1000); pids are the only shared budget.
+    return max(MIN_SLOT_PROCESSES, (reward.pids - slots - OWN_PROCESSES) // max(1, reward.workers)), None
 
 
 class DockerSettings(BackendSettings):
@@ -68,38 +82,6 @@ def engine_client(timeout: int = 120) -> docker.DockerClient:
         ) from e
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-def remove_leftovers(client: docker.DockerClient, keep_run: Optional[str] = None) -> list[str]:
-    """Removes rewardbox containers of this host whose owning process has exited. Returns their names."""
-    removed = []
-    host = socket.gethostname()
-    for c in client.containers.list(all=True, filters={"label": LABEL}):
-        labels = c.labels
-        if labels.get(f"{LABEL}.host") != host or labels.get(f"{LABEL}.run") == keep_run:
-            continue
-        pid = int(labels.get(f"{LABEL}.pid", "0") or 0)
-        if pid and _pid_alive(pid):
-            continue
-        with contextlib.suppress(docker.errors.NotFound):
-            c.remove(force=True)
-        socket_dir = labels.get(f"{LABEL}.socket_dir")
-        if socket_dir and Path(socket_dir).name.startswith("rbx-"):
-            shutil.rmtree(socket_dir, ignore_errors=True)
-        removed.append(c.name)
-    if removed:
-        log.warning("removed %d container(s) left over from an earlier run: %s", len(removed), ", ".join(removed))
-    return removed
-
-
 def prune_images(client: docker.DockerClient) -> list[str]:
     """Removes sandbox images (``rewardbox-sandbox:*``) that no container uses. Returns their tags."""
     in_use = {c.image.id for c in client.containers.list(all=True) if c.image is not None}
@@ -113,111 +95,6 @@ def prune_images(client: docker.DockerClient) -> list[str]:
                     client.images.remove(tag, noprune=False)
                     removed.append(tag)
     return removed
-
-
-@dataclass(frozen=True)
-class ContainerSpec:
-    """One sandbox container as the engine is asked to run it. The defaults are the hardening every sandbox gets;
-    :meth:`DockerBackend.create` fills in the rest from the reward."""
-
-    image: str
-    name: str
-    socket_dir: Path  # host directory bind-mounted at SOCKET_DIR_IN_CONTAINER; the server's socket is created there
-    command: tuple = ("--listen", f"unix://{SOCKET_DIR_IN_CONTAINER}/grpc.sock")
-    labels: dict = field(default_factory=dict)
-    user: str = UNPRIVILEGED
-    environment: dict = field(default_factory=dict)
-    mem_limit: Optional[str] = None
-    nano_cpus: Optional[int] = None
-    pids_limit: Optional[int] = None
-    network_mode: str = "none"
-    tmpfs_size: str = "64m"
-    runtime: Optional[str] = None
-
-    def run_kwargs(self) -> dict:
-        """Keyword arguments of docker-py's ``containers.run``."""
-        kwargs = dict(
-            image=self.image,
-            command=list(self.command),
-            name=self.name,
-            labels={**self.labels, f"{LABEL}.socket_dir": str(self.socket_dir)},
-            user=self.user,
-            cap_drop=["ALL"],
-            security_opt=["no-new-privileges"],
-            read_only=True,
-            tmpfs={"/tmp": f"rw,nosuid,nodev,size={self.tmpfs_size},mode=1777"},
-            mem_limit=self.mem_limit,
-            memswap_limit=self.mem_limit,  # no swap beyond the memory limit
-            nano_cpus=self.nano_cpus,
-            pids_limit=self.pids_limit,
-            network_mode=self.network_mode,
-            volumes={str(self.socket_dir): {"bind": SOCKET_DIR_IN_CONTAINER, "mode": "rw"}},
-            environment=dict(self.environment),
-            init=True,  # reaps what user code forks
-            ipc_mode="private",
-        )
-        if self.runtime:
-            kwargs["runtime"] = self.runtime
-        return {k: v for k, v in kwargs.items() if v is not None}
-
-
-class DockerSandbox:
-    def __init__(self, client: docker.DockerClient, spec: ContainerSpec, name: Optional[str] = None):
-        self.name = name or spec.name
-        self.spec = spec
-        self._client = client
-        self._container = None
-
-    @property
-    def endpoint(self) -> Endpoint:
-        return Endpoint(f"unix://{self.spec.socket_dir / 'grpc.sock'}")
-
-    @property
-    def container(self):
-        return self._container
-
-    def start(self) -> None:
-        self.spec.socket_dir.mkdir(parents=True, exist_ok=True)
-        # The container's user (not root) creates the socket here.
-        os.chmod(self.spec.socket_dir, 0o777)
-        with contextlib.suppress(FileNotFoundError):
-            (self.spec.socket_dir / "grpc.sock").unlink()
-        try:
-            self._container = self._client.containers.run(detach=True, **self.spec.run_kwargs())
-        except docker.errors.APIError as e:
-            raise BackendError(f"sandbox {self.name}: the engine refused to start the container: "
-                               f"{e.explanation or e}") from e
-
-    def alive(self) -> bool:
-        if self._container is None:
-            return False
-        try:
-            self._container.reload()
-        except docker.errors.NotFound:
-            return False
-        return self._container.status == "running"
-
-    def _remove(self) -> None:
-        container, self._container = self._container, None
-        if container is not None:
-            with contextlib.suppress(docker.errors.NotFound):
-                container.remove(force=True)
-
-    def restart(self) -> None:
-        self._remove()
-        self.start()
-
-    def stop(self) -> None:
-        self._remove()
-        shutil.rmtree(self.spec.socket_dir, ignore_errors=True)
-
-    def logs(self, tail: int = 40) -> str:
-        if self._container is None:
-            return ""
-        try:
-            return self._container.logs(tail=tail).decode(errors="replace")
-        except docker.errors.APIError:
-            return ""
 
 
 class DockerBackend:
@@ -245,6 +122,7 @@ class DockerBackend:
         self.builder = builder or ImageBuilder(self.client, self.settings.cache_dir, **kwargs)
         self.run_id = uuid.uuid4().hex[:10]
         self.images: dict[tuple, str] = {}
+        self._uid_blocks = random.SystemRandom()
 
     def prepare(self, rewards: Sequence[RewardSpec]) -> None:
         remove_leftovers(self.client, keep_run=self.run_id)
@@ -256,10 +134,24 @@ class DockerBackend:
         if image is None:
             raise BackendError(f"reward {reward.name!r}: no image was prepared for its packages")
         uid = os.getuid()
+        default_warm = GVISOR_WARM if is_gvisor(self.settings.runtime) else DEFAULT_WARM
+        per_version = sandbox_slots(reward.isolation, reward.workers, reward.warm or default_warm)
+        # Two versions of the function may run at once (a reload's new one while the old one finishes).
+        slots = 2 * per_version
+        needed = slots + reward.workers * MIN_SLOT_PROCESSES + OWN_PROCESSES
+        if reward.pids < needed:
+            raise ConfigError(f"reward {reward.name!r}: pids: {reward.pids} leaves too little room for its "
+                              f"{per_version} slot processes (warm/workers) and what each sample may fork; set "
+                              f"pids to at least {needed}, or lower warm")
+        nproc, sample_memory = sample_limits(reward, slots, is_gvisor(self.settings.runtime))
+        # RLIMIT_NPROC counts a uid's processes across the host: each container draws uids of its own.
+        first = SLOT_UID_BASE + 1024 * self._uid_blocks.randrange(1, 1 << 20)
         spec = ContainerSpec(
             image=image,
             name=f"rewardbox-{self.run_id}-{reward.name}-{replica}",
-            socket_dir=Path(tempfile.mkdtemp(prefix="rbx-")),
+            # The host reaches the socket as the server's uid: the host user itself, or nobody for a root host.
+            server_uid=NOBODY if uid == 0 else uid,
+            slot_uids=(first, slots),
             labels={
                 LABEL: "1",
                 f"{LABEL}.run": self.run_id,
@@ -267,15 +159,17 @@ class DockerBackend:
                 f"{LABEL}.host": socket.gethostname(),
                 f"{LABEL}.pid": str(os.getpid()),
             },
-            # As the host user, so the host can use the socket it creates; never as root.
-            user=UNPRIVILEGED if uid == 0 else f"{uid}:{os.getgid()}",
             environment=reward_environment(reward),
             mem_limit=reward.memory,
             nano_cpus=int(reward.cpus * 1e9),
             pids_limit=reward.pids,
             network_mode=self.settings.network_mode if reward.network else "none",
             tmpfs_size=self.settings.tmpfs_size,
+            shared_memory=reward.isolation == "worker",
             runtime=self.settings.runtime,
+            default_warm=default_warm,
+            sample_nproc=nproc,
+            sample_memory=sample_memory,
         )
         return DockerSandbox(self.client, spec, name=f"{reward.name}-{replica}")
 

@@ -25,7 +25,7 @@ log = logging.getLogger("rewardbox")
 
 # What the server needs to run this Python as the trainer does (PYTHONPATH: rewardbox may be importable through it).
 _BASE_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "SYSTEMROOT", "PYTHONPATH")
-SERVER_MODULE = "rewardbox.sandbox.server"
+SERVER_MODULE = "rewardbox.sandbox"
 NOT_ISOLATED_WARNING = (
     "rewardbox: the LOCAL backend runs reward code WITHOUT ISOLATION, as this user, with this machine's network "
     "and files. Use it for trusted code only; the docker backend isolates it."
@@ -79,12 +79,8 @@ class LocalSandbox:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=5)
-        # Workers lead process groups of their own (so the server can reap what they fork); end them too.
-        workers = self._dir / "state"
-        for pid_file in workers.glob("*/*") if workers.exists() else ():
-            with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
-                os.killpg(int(pid_file.name), signal.SIGKILL)
-            pid_file.unlink(missing_ok=True)  # a reused pid must never be killed later
+        # The supervisor and templates are in the server's process group; slot processes (sessions of their own)
+        # die with their template (PR_SET_PDEATHSIG on this backend).
 
     def restart(self) -> None:
         self._kill()

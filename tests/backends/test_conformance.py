@@ -24,10 +24,10 @@ from rewardbox.backends.local import LocalBackend
 from tests.conftest import merged, no_sleep, run
 
 REWARD = """
-import os
+import os, socket
 
 def probe(prompt, completion, example):
-    print(f"server={os.getppid()}")
+    print(f"server={socket.gethostname()}:{os.getppid()}")  # a container's name, or the local server's template
     if completion == "env":
         env = os.environ
         return float("RBX_A" in env) + 10 * float("RBX_B" in env) + 100 * float(env.get("PLAIN") == "1")
@@ -70,7 +70,10 @@ def _docker(request) -> Harness:
         name = sandbox.spec.name
         with contextlib.suppress(docker.errors.NotFound):
             return f"container {client.containers.get(name).name}"
-        return f"its socket directory {sandbox.spec.socket_dir}" if sandbox.spec.socket_dir.exists() else None
+        volume = sandbox.socket_volume
+        with contextlib.suppress(docker.errors.NotFound):
+            return f"socket volume {client.volumes.get(volume.name).name}"
+        return f"its socket link {volume.link_dir}" if volume.link_dir.exists() else None
 
     return Harness({"backend": "docker", "docker": {"base_image": base_image}}, make, kill, leftover)
 

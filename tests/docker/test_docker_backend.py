@@ -89,7 +89,7 @@ def test_killing_the_container_mid_batch_loses_no_sample(docker_sandboxes):
 def test_a_container_that_never_becomes_healthy_fails_with_its_logs(docker_client, base_image, tmp_path):
     sandbox = DockerSandbox(docker_client, ContainerSpec(
         image=base_image, command=("python3", "-c", "print('no server here'); raise SystemExit(3)"),
-        name="rewardbox-test-broken", socket_dir=tmp_path / "s", labels={"rewardbox": "1"},
+        name="rewardbox-test-broken", labels={"rewardbox": "1"},
     ))
     replica = Replica(sandbox, [], start_timeout_s=10)
     with pytest.raises(BackendError, match=r"(?s)exited during start-up.*no server here"):

@@ -13,7 +13,8 @@ from rewardbox.replica import Replica
 from rewardbox.wire import HARD_TIMEOUT_MARGIN_S, Status
 from rewardbox.wire.pb import reward_pb2 as pb
 from tests.conftest import no_sleep, run
-from tests.fakes import FakeBackend, FakeSandbox, FakeTransport
+from rewardbox.errors import TransportError
+from tests.fakes import FakeBackend, FakeSandbox, FakeTransport, answer
 
 
 def start(tmp_path, reward: dict | None = None, sandbox: dict | None = None, make=FakeSandbox):
@@ -73,8 +74,10 @@ def test_a_transient_failure_is_retried_on_the_next_replica_with_only_the_unscor
     first_share = completions(fakes[0].calls[0][0])
     failed_share = completions(fakes[1].calls[0][0])
     assert set(first_share).isdisjoint(failed_share)
-    # the retry went to the other replica and carried exactly the samples that had no score
-    assert [completions(r) for r, _ in fakes[0].calls[1:]] == [failed_share]
+    # the retry carried exactly the samples that had no score, split across both replicas
+    retried = [c for f in fakes for r, _ in f.calls[1 if f is fakes[0] else 1:] for c in completions(r)]
+    assert sorted(retried) == sorted(failed_share)
+    assert len(fakes[0].calls) > 1 and len(fakes[1].calls) > 1
     assert len(no_sleep.calls) == 1 and 0 <= no_sleep.calls[0] <= 0.5 * 2  # backoff with jitter
 
 
@@ -93,7 +96,8 @@ def test_a_sandbox_that_stays_unavailable_falls_back_after_all_retries_with_back
     report = run(s["r"].client.score(samples(3)))
     assert report.values == [None] * 3 and report.statuses == [Status.UNAVAILABLE] * 3
     assert "after 4 attempt(s)" in report.errors[0] and "UNAVAILABLE" in report.errors[0]
-    assert len(fake.calls) == 4 and len(no_sleep.calls) == 3
+    # the whole share once, then each retry one request per unscored sample (split up to 4 ways)
+    assert [len(r.samples) for r, _ in fake.calls] == [3] + [1] * 9 and len(no_sleep.calls) == 3
     assert all(0 <= d <= min(0.5, 0.2 * 2 ** (i + 1)) for i, d in enumerate(no_sleep.calls))
 
 
@@ -194,3 +198,28 @@ def test_a_replica_reconnects_after_a_restart(tmp_path):
     fake.running = False
     replica.recover(replica.generation)
     assert replica.connection is not first and first.closed and fake.restarts == 1
+
+
+def test_a_sample_that_takes_its_sandbox_down_every_time_is_isolated_and_the_others_keep_their_scores(tmp_path):
+    def breaks_on_poison(request: pb.ScoreRequest) -> pb.ScoreResponse:
+        if any(s.completion == "poison" for s in request.samples):
+            raise TransportError(grpc.StatusCode.UNAVAILABLE, "the server died")
+        return answer(lambda sample: float(len(sample.completion)))(request)
+
+    s, fakes = start(tmp_path, {"replicas": 2, "retries": 3, "default_score": -1.0})
+    for fake in fakes:
+        fake.default = breaks_on_poison
+    completions_ = ["x" * (i + 1) for i in range(64)]
+    completions_[37] = "poison"
+    report = run(s["r"].client.score(build_samples(["p"] * 64, completions_, {})))
+    assert report.statuses[37] == Status.UNAVAILABLE and report.values[37] == -1.0
+    innocent = [i for i in range(64) if i != 37]
+    assert [report.statuses[i] for i in innocent] == [Status.OK] * 63
+    assert [report.values[i] for i in innocent] == [float(i + 1) for i in innocent]
+    assert report.attempts == 4
+    # no batch-style call is ever split: a TRL reward may compare the completions of its batch
+    (tmp_path / "batch").mkdir()
+    s2, [fake] = start(tmp_path / "batch", {"style": "batch", "retries": 2})
+    fake.script = [grpc.StatusCode.UNAVAILABLE] * 2
+    run(s2["r"].client.score(samples(8)))
+    assert [len(r.samples) for r, _ in fake.calls] == [8, 8, 8]

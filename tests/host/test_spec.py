@@ -52,7 +52,7 @@ def test_duplicate_names_are_rejected(write_config):
         ("def ok(completions, **kwargs):\n    return [1.0]\n", "sample", r"ok\.py:1: .*does not fit style 'sample'"),
         ("def ok(prompt, completion, example):\n    return 1.0\n", "batch", r"does not fit style 'batch'"),
         ("raise RuntimeError('boom at import')\n", "sample", r"ok\.py:1: RuntimeError while importing: boom"),
-        ("import os\nos._exit(3)\n", "sample", r"ok\.py: every worker died while importing it"),
+        ("import os\nos._exit(3)\n", "sample", r"ok\.py: the process importing it died"),
     ],
 )
 def test_unusable_reward_code_fails_at_start_naming_file_and_line(write_config, code, style, message):

@@ -82,7 +82,8 @@ def test_each_failure_gets_its_status_and_fallback_while_other_samples_keep_real
     assert "ValueError: bad completion" in by_completion["raise"][2]
     assert "SystemExit(3)" in by_completion["exit"][2]
     assert "SIGSEGV" in by_completion["segfault"][2]
-    assert report.workers_replaced >= 4
+    # each sample ran in a process of its own: exactly the three whose process died or was killed were replaced
+    assert report.workers_replaced == 3
     # output is captured and bounded (64 KiB default), not megabytes
     assert "xxxx" in report.logs and len(report.logs) < 70_000
     # the sandbox survived all of it

@@ -1,0 +1,55 @@
+"""``python -m rewardbox.sandbox --listen unix:///run/rewardbox/grpc.sock [...]``: a sandbox's entry point.
+
+It forks the supervisor first, while it is still the process it was started as and before grpc is imported (the
+supervisor and the templates it forks never carry grpc's threads). Docker backend: the container starts as root
+holding only SETUID, SETGID and KILL; the supervisor keeps those, and this process then drops to ``--server-uid``
+(no capability left) and serves gRPC. Local backend: no uid changes (and no isolation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from typing import Optional
+
+from . import supervisor as supervisor_module
+
+
+def _become(uid: int) -> None:
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rewardbox.sandbox", description=__doc__)
+    parser.add_argument("--listen", required=True, help="unix:///path/to.sock or host:port")
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is no longer our parent")
+    parser.add_argument("--server-uid", type=int, default=None, help="drop to this uid after starting the supervisor")
+    parser.add_argument("--slot-uids", default=None, help="uids for slot processes, e.g. 100000-100063 (each with a "
+                                                          "tmpfs at /tmp/slot-<uid>); none: the local backend")
+    parser.add_argument("--sample-nproc", type=int, default=None, help="RLIMIT_NPROC of each slot uid")
+    parser.add_argument("--sample-memory", type=int, default=None, help="RLIMIT_AS of each slot process, bytes")
+    parser.add_argument("--default-warm", type=int, default=None, help="warm processes of a reward that sets none")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s sandbox %(levelname)s %(message)s")
+    if args.slot_uids:
+        pool = supervisor_module.SlotPool(uids=supervisor_module.parse_uids(args.slot_uids))
+    else:
+        pool = supervisor_module.local_pool(os.environ.get("REWARDBOX_STATE_DIR"))
+    pid, sock = supervisor_module.start(pool)
+    if args.server_uid is not None and os.getuid() != args.server_uid:
+        _become(args.server_uid)
+    from .server import Supervisor, serve  # grpc only now, after the fork
+
+    supervisor = Supervisor(pid, sock, nproc=args.sample_nproc if args.slot_uids else None,
+                            memory=args.sample_memory)
+    asyncio.run(serve(args.listen, supervisor, args.parent_pid, default_warm=args.default_warm))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""What crosses from the server to a worker and back, per request.
+
+Request (server -> worker; trusted): JSON with the samples column by column, the timeout and the trainer state.
+
+Result (worker -> server; **hostile**: model-written code ran in that process and may have written anything):
+a fixed binary layout, read with a size bound and validated field by field. Nothing in it is unpickled or
+evaluated; a result that does not parse exactly is the samples' ``invalid``, never an exception in the server.
+
+    header:   magic "RBX1" | u32 samples | u64 dropped characters | u32 log bytes
+    per sample: u8 status | u8 has value | f64 value | u32 error bytes | error (UTF-8)
+    logs (UTF-8)
+
+Before any of it, the worker writes one byte, ``STARTED``, when it takes the request (before the function runs),
+so the server can tell a request that never ran from one whose worker died, and starts the deadline there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from typing import Optional, Sequence
+
+from ..wire import Outcome, Status
+from .records import ChunkResult, SampleBatch
+
+STARTED = b"S"
+MAGIC = b"RBX1"
+_HEADER = struct.Struct("<4sIQI")
+_SAMPLE = struct.Struct("<BBdI")
+MAX_ERROR_BYTES = 8 * 1024
+LOG_SLACK_BYTES = 4 * 1024  # the "[n more characters dropped]" note and multi-byte characters
+# Statuses a worker may report itself; crash and unavailable are only ever concluded by the server or the host.
+_WORKER_STATUSES = {Status.OK.wire: Status.OK, Status.ERROR.wire: Status.ERROR, Status.TIMEOUT.wire: Status.TIMEOUT,
+                    Status.INVALID.wire: Status.INVALID}
+
+
+class MalformedResult(ValueError):
+    """A worker's answer broke the format (wrong size, magic, count, status, value or encoding)."""
+
+
+# -- requests ----------------------------------------------------------------------------------------------------
+
+def encode_request(batch: SampleBatch, timeout_s: float, trainer_state: Optional[dict]) -> bytes:
+    return json.dumps({
+        "timeout_s": timeout_s,
+        "trainer_state": trainer_state,
+        "prompts": batch.prompts,
+        "completions": batch.completions,
+        "examples": batch.examples,
+        "prompt_messages_json": batch.prompt_messages_json,
+        "completion_messages_json": batch.completion_messages_json,
+    }, separators=(",", ":")).encode()
+
+
+def decode_request(data: bytes) -> tuple[SampleBatch, float, Optional[dict]]:
+    request = json.loads(data)
+    batch = SampleBatch(request["prompts"], request["completions"], request["examples"],
+                        request["prompt_messages_json"], request["completion_messages_json"])
+    return batch, float(request["timeout_s"]), request["trainer_state"]
+
+
+# -- results -----------------------------------------------------------------------------------------------------
+
+def _utf8(text: str, limit: int) -> bytes:
+    # A lone surrogate (from model output) cannot be encoded as UTF-8; it becomes U+FFFD, not an exception.
+    data = text.encode("utf-8", "replace")
+    return data[:limit]
+
+
+def encode_result(outcomes: Sequence[Outcome], logs: str, dropped: int, max_log_bytes: int) -> bytes:
+    """The worker's answer. Never raises for what the values or texts contain."""
+    parts = [b""]
+    for o in outcomes:
+        error = _utf8(o.error or "", MAX_ERROR_BYTES)
+        has_value = o.value is not None
+        parts.append(_SAMPLE.pack(o.status.wire, has_value, float(o.value) if has_value else 0.0, len(error)))
+        parts.append(error)
+    log_bytes = _utf8(logs, max_log_bytes + LOG_SLACK_BYTES)
+    parts[0] = _HEADER.pack(MAGIC, len(outcomes), max(0, dropped), len(log_bytes))
+    parts.append(log_bytes)
+    return b"".join(parts)
+
+
+def result_limit(samples: int, max_log_bytes: int) -> int:
+    """The most bytes a well-formed answer for this many samples can have."""
+    return _HEADER.size + samples * (_SAMPLE.size + MAX_ERROR_BYTES) + max_log_bytes + LOG_SLACK_BYTES
+
+
+def decode_result(data: bytes, samples: int, max_log_bytes: int) -> ChunkResult:
+    """Parses and validates a worker's answer for ``samples`` samples.
+
+    Raises:
+        MalformedResult: anything at all is off.
+    """
+    if len(data) > result_limit(samples, max_log_bytes):
+        raise MalformedResult(f"the worker's answer is {len(data)} bytes, over the bound")
+    if len(data) < _HEADER.size:
+        raise MalformedResult("the worker's answer is truncated")
+    magic, count, dropped, log_length = _HEADER.unpack_from(data, 0)
+    if magic != MAGIC or count != samples:
+        raise MalformedResult(f"the worker answered for {count} samples, expected {samples}" if magic == MAGIC
+                              else "the worker's answer does not start with the format's magic bytes")
+    values, statuses, errors = [], [], []
+    offset = _HEADER.size
+    for _ in range(count):
+        if offset + _SAMPLE.size > len(data):
+            raise MalformedResult("the worker's answer is truncated")
+        code, has_value, value, error_length = _SAMPLE.unpack_from(data, offset)
+        offset += _SAMPLE.size
+        status = _WORKER_STATUSES.get(code)
+        if status is None or has_value not in (0, 1) or error_length > MAX_ERROR_BYTES:
+            raise MalformedResult(f"the worker's answer has an invalid field (status {code}, has_value "
+                                  f"{has_value}, error length {error_length})")
+        if has_value and (status is not Status.OK or not math.isfinite(value)):
+            raise MalformedResult(f"the worker answered value {value} with status {status}")
+        error = data[offset:offset + error_length]
+        offset += error_length
+        if len(error) != error_length:
+            raise MalformedResult("the worker's answer is truncated")
+        values.append(value if has_value else None)
+        statuses.append(status)
+        errors.append(error.decode("utf-8", "replace"))
+    if offset + log_length != len(data) or log_length > max_log_bytes + LOG_SLACK_BYTES:
+        raise MalformedResult("the worker's answer has a wrong length")
+    logs = data[offset:].decode("utf-8", "replace")
+    return ChunkResult(values, statuses, errors, logs, dropped)

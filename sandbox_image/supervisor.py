@@ -1,0 +1,146 @@
+"""The supervisor: the one process of a sandbox that keeps the right to switch uids, and the parent of templates.
+
+The sandbox's entry point (:mod:`rewardbox.sandbox.__main__`) forks it before anything else runs and before the
+server drops to its own uid. Docker backend: the container starts as root holding only SETUID, SETGID and KILL
+(``cap_drop: ALL`` otherwise, ``no-new-privileges``), so the supervisor and the templates it forks can start slot
+processes under the slot uids, which then hold no capability at all. Local backend: everyone is the trainer's user
+and slots share its uid (no isolation, as documented).
+
+The server asks for a template with ``template`` (the function's config) and receives the template's end of a
+fresh socket pair. Each template gets slots (uid, scratch directory) from the sandbox's pool and returns them when
+it exits. The supervisor dies with the server (PR_SET_PDEATHSIG) and templates die with the supervisor.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import selectors
+import signal
+import socket
+import tempfile
+from dataclasses import dataclass
+from typing import Optional
+
+from . import template
+from .channel import ChannelClosed, pair, recv, send
+from .records import WorkerConfig
+from .slot import SlotSpec
+
+SLOT_DIR_PREFIX = "/tmp/slot-"  # docker backend: one tmpfs per slot uid, mode 0700, owned by that uid
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Asks the kernel to SIGKILL this process when its parent exits (best effort where prctl is missing)."""
+    name = ctypes.util.find_library("c")
+    if name:
+        ctypes.CDLL(name, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+@dataclass(frozen=True)
+class SlotPool:
+    """Where slots come from: dedicated uids with their tmpfs (docker), or directories under ``root`` (local)."""
+
+    uids: tuple = ()  # empty: the local backend
+    root: str = ""
+
+    def specs(self) -> list:
+        if self.uids:
+            return [(uid, f"{SLOT_DIR_PREFIX}{uid}") for uid in self.uids]
+        return [(None, os.path.join(self.root, f"slot-{i}")) for i in range(256)]
+
+
+def parse_uids(text: str) -> tuple:
+    """``100000-100063`` -> the uids in that range."""
+    first, _, last = text.partition("-")
+    return tuple(range(int(first), int(last or first) + 1))
+
+
+class Supervisor:
+    def __init__(self, server: socket.socket, pool: SlotPool):
+        self.server = server
+        self.free = pool.specs()
+        self.held: dict[int, list] = {}  # template pid -> its slots
+        self.selector = selectors.DefaultSelector()
+
+    def run(self) -> None:
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        self.selector.register(wake_r, selectors.EVENT_READ, "wake")
+        self.selector.register(self.server, selectors.EVENT_READ, "server")
+        while True:
+            for key, _ in self.selector.select():
+                if key.data == "wake":
+                    os.read(wake_r, 4096)
+                    self._reap()
+                elif not self._from_server():
+                    return
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.free = self.held.pop(pid, []) + self.free
+
+    def _from_server(self) -> bool:
+        try:
+            message, _ = recv(self.server)
+        except (ChannelClosed, OSError, ValueError):
+            return False
+        if message.get("op") != "template":
+            return True
+        config = WorkerConfig(**message["config"])
+        wanted = max(1, int(message.get("slots", 1)))
+        nproc, memory = message.get("nproc"), message.get("memory")
+        if not self.free:
+            send(self.server, {"op": "template", "error": "no free slot uid is left in this sandbox"})
+            return True
+        taken, self.free = self.free[:wanted], self.free[wanted:]
+        specs = [SlotSpec(i, uid, directory, nproc, memory) for i, (uid, directory) in enumerate(taken)]
+        server_end, template_end = pair()
+        pid = os.fork()
+        if pid == 0:
+            die_with_parent()
+            server_end.close()
+            self.server.close()
+            self.selector.close()
+            template.run(config, specs, template_end)  # never returns
+        template_end.close()
+        self.held[pid] = taken
+        send(self.server, {"op": "template", "pid": pid, "slots": len(specs)}, fds=[server_end.fileno()])
+        server_end.close()
+        return True
+
+
+def start(pool: SlotPool) -> tuple[int, socket.socket]:
+    """Forks the supervisor. Returns its pid and the server's end of the control socket."""
+    server_end, supervisor_end = pair()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            die_with_parent()
+            server_end.close()
+            Supervisor(supervisor_end, pool).run()
+        except BaseException:  # noqa: BLE001 - the server sees the socket close and reports NOT_SERVING
+            code = 70
+        finally:
+            os._exit(code)
+    supervisor_end.close()
+    return pid, server_end
+
+
+def local_pool(state_dir: Optional[str]) -> SlotPool:
+    """Slots for the local backend: directories in the sandbox's state directory (or a new temporary one)."""
+    root = os.path.join(state_dir, "slots") if state_dir else tempfile.mkdtemp(prefix="rbx-slots-")
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    return SlotPool(root=root)

@@ -1,0 +1,249 @@
+"""A template: imports one version of a reward function once, then forks slot processes from that state.
+
+The supervisor forks it (docker backend: as root holding SETUID, SETGID and KILL, which its slot processes give up).
+It talks only to the server, over a control socket (:mod:`.channel`):
+
+- server -> template: ``run`` (with the request's socket), ``done`` (a reused worker finished a request),
+  ``kill`` (a request ran past its deadline), ``close``;
+- template -> server: ``loaded`` (the function's signature info) or ``load_error`` once, then ``exited`` for each
+  slot process that ended while it held requests (with its exit status), and ``slot_failed`` when a slot cannot
+  be prepared at all.
+
+It never reads what a slot process writes after its one ready byte: slot processes run reward code on model output,
+and nothing they say reaches the template or the server except through a request socket's fixed format.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import os
+import selectors
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from . import slot as slots
+from . import worker
+from .channel import ChannelClosed, optional_fd, pair, recv, send
+from .records import WorkerConfig
+
+# A slot process that dies before it is ready this many times in a row is reported and no longer respawned.
+MAX_SETUP_FAILURES = 3
+RESPAWN_BACKOFF_S = 0.05
+
+
+@dataclass
+class _Slot:
+    spec: slots.SlotSpec
+    pid: int = 0
+    control: Optional[socket.socket] = None
+    ready: bool = False
+    requests: set = field(default_factory=set)
+    setup_failures: int = 0
+    respawn_at: float = 0.0
+    broken: bool = False
+
+
+class Template:
+    def __init__(self, config: WorkerConfig, slot_specs: list[slots.SlotSpec], server: socket.socket):
+        self.config = config
+        self.reuse = config.isolation == "worker"
+        self.slots = [_Slot(spec) for spec in slot_specs]
+        self.server = server
+        self.queue: collections.deque = collections.deque()  # (request id, fd)
+        self.selector = selectors.DefaultSelector()
+        self.loaded: Optional[worker.Loaded] = None
+        self.closing = False
+
+    # -- life ----------------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            self.loaded = worker.load(self.config)
+        except worker.LoadError as e:
+            send(self.server, {"op": "load_error", "message": str(e)})
+            return
+        info = self.loaded.info
+        send(self.server, {"op": "loaded", "info": {
+            "is_async": info.is_async, "accepted_keywords": list(info.accepted_keywords),
+            "accepts_var_keywords": info.accepts_var_keywords, "signature": info.signature}})
+        gc.freeze()  # the module's objects stay shared with every fork instead of being copied on first touch
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.selector.register(wake_r, selectors.EVENT_READ, "wake")
+        self.selector.register(self.server, selectors.EVENT_READ, "server")
+        for s in self.slots:
+            self._spawn(s)
+        while not self.closing:
+            for key, _ in self.selector.select(timeout=self._next_timer()):
+                if key.data == "wake":
+                    os.read(wake_r, 4096)
+                elif key.data == "server":
+                    self._from_server()
+                else:
+                    self._ready(key.data)
+            self._reap()
+            self._respawn_due()
+            self._dispatch()
+        self._kill_all()
+
+    def _next_timer(self) -> Optional[float]:
+        due = [s.respawn_at for s in self.slots if not s.pid and not s.broken]
+        return max(0.0, min(due) - time.monotonic()) if due else None
+
+    # -- slot processes ------------------------------------------------------------------------------------------
+    def _spawn(self, s: _Slot) -> None:
+        parent_end, child_end = pair()
+        try:
+            pid = os.fork()
+        except OSError:  # the pids limit: try again shortly
+            parent_end.close()
+            child_end.close()
+            s.respawn_at = time.monotonic() + RESPAWN_BACKOFF_S
+            return
+        if pid == 0:
+            parent_end.close()
+            slots.run(self.loaded, s.spec, child_end, self.reuse)  # never returns
+        child_end.close()
+        s.pid, s.control, s.ready = pid, parent_end, False
+        self.selector.register(parent_end, selectors.EVENT_READ, s)
+
+    def _ready(self, s: _Slot) -> None:
+        try:
+            byte = s.control.recv(1)
+        except OSError:
+            byte = b""
+        self.selector.unregister(s.control)
+        if byte == slots.READY:
+            s.ready, s.setup_failures = True, 0
+            # From here on reward code may run in that process: nothing it writes is read.
+            s.control.shutdown(socket.SHUT_RD)
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            s = next((s for s in self.slots if s.pid == pid), None)
+            if s is not None:
+                self._ended(s, status)
+
+    def _ended(self, s: _Slot, status: int) -> None:
+        if s.spec.uid is None:  # the local backend: what it forked is in its process group
+            try:
+                os.killpg(s.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        for request in sorted(s.requests):
+            send(self.server, {"op": "exited", "req": request, "status": _describe(status)})
+        served = bool(s.requests) or s.ready
+        if s.control is not None:
+            if s.control.fileno() in self.selector.get_map():
+                self.selector.unregister(s.control)
+            s.control.close()
+        s.pid, s.control, s.ready, s.requests = 0, None, False, set()
+        if not served:
+            s.setup_failures += 1
+            if s.setup_failures >= MAX_SETUP_FAILURES:
+                s.broken = True
+                send(self.server, {"op": "slot_failed", "slot": s.spec.index,
+                                   "reason": f"its process died before it was ready ({_describe(status)})"})
+                return
+        s.respawn_at = time.monotonic() + (RESPAWN_BACKOFF_S * s.setup_failures if s.setup_failures else 0)
+
+    def _respawn_due(self) -> None:
+        if self.closing:
+            return
+        now = time.monotonic()
+        for s in self.slots:
+            if not s.pid and not s.broken and s.respawn_at <= now:
+                self._spawn(s)
+
+    def _kill_all(self) -> None:
+        for s in self.slots:
+            if s.pid:
+                try:
+                    os.kill(s.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
+    # -- requests ------------------------------------------------------------------------------------------------
+    def _from_server(self) -> None:
+        try:
+            message, fds = recv(self.server)
+        except (ChannelClosed, OSError, ValueError):
+            self.closing = True
+            return
+        op, request = message.get("op"), message.get("req")
+        if op == "run":
+            fd = optional_fd(fds)
+            if fd is not None:
+                self.queue.append((request, fd))
+        elif op == "done":
+            for s in self.slots:
+                s.requests.discard(request)
+        elif op == "kill":
+            for s in self.slots:
+                if request in s.requests and s.pid:
+                    try:
+                        os.kill(s.pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+        elif op == "close":
+            self.closing = True
+
+    def _free_slot(self) -> Optional[_Slot]:
+        candidates = [s for s in self.slots if s.ready and s.pid]
+        if not self.reuse:
+            return next((s for s in candidates if not s.requests), None)
+        if not self.loaded.info.is_async:
+            candidates = [s for s in candidates if not s.requests]
+        return min(candidates, key=lambda s: len(s.requests), default=None)
+
+    def _dispatch(self) -> None:
+        while self.queue:
+            s = self._free_slot()
+            if s is None:
+                return
+            request, fd = self.queue.popleft()
+            try:
+                send(s.control, {"req": request}, fds=[fd])
+            except OSError:  # it died just now; the request goes to the next slot
+                self.queue.appendleft((request, fd))
+                s.ready = False
+                continue
+            os.close(fd)
+            s.requests.add(request)
+            if not self.reuse:
+                s.ready = False
+
+
+def _describe(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        try:
+            return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+        except ValueError:
+            return f"killed by signal {os.WTERMSIG(status)}"
+    return f"exit code {os.WEXITSTATUS(status)}"
+
+
+def run(config: WorkerConfig, slot_specs: list[slots.SlotSpec], server: socket.socket) -> None:
+    """The whole life of a template process; never returns."""
+    code = 0
+    try:
+        Template(config, slot_specs, server).run()
+    except BaseException as e:  # noqa: BLE001 - the server sees the socket close
+        code = 70
+        try:
+            os.write(2, f"rewardbox template {config.name}: {type(e).__name__}: {e}\n".encode())
+        except OSError:
+            pass
+    finally:
+        os._exit(code)

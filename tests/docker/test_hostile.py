@@ -1,0 +1,329 @@
+"""One hostile completion among innocent ones, against a code-executing reward, in real containers (runc and gVisor).
+
+The reward runs ``exec(completion)``: model-written code inside the reward's own call, the case the policy searches
+for holes in. Each innocent completion checks, before it scores, that nothing of an earlier or concurrent sample is
+visible to it (module state, builtins, environment, files, planted modules, processes), and its value is known
+exactly. Every test then asserts: each innocent's exact value with status ok, the guilty sample's status, a wall
+time bounded by the timeouts, and a later batch that is entirely healthy. One container lives through all attacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import textwrap
+import time
+
+import pytest
+import yaml
+
+from rewardbox import RewardSandboxes, build_samples, load_config
+from rewardbox.wire import Status
+from tests.docker.conftest import docker_backend
+
+REWARD = '''
+import builtins, importlib.util, os, sys
+
+SEEN = []  # module state a sample could try to poison for the next ones
+
+
+def _contamination():
+    found = []
+    if SEEN:
+        found.append(f"module state {SEEN}")
+    if getattr(builtins, "planted", None) is not None:
+        found.append("builtins")
+    if os.environ.get("PLANTED"):
+        found.append("environment")
+    if os.listdir("."):
+        found.append(f"files in the scratch directory: {os.listdir('.')}")
+    if importlib.util.find_spec("rbx_planted") is not None:
+        found.append("a planted module")
+    me = os.getuid()
+    others = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    status = f.read()
+            except OSError:
+                continue
+            if f"Uid:\\t{me}\\t" in status and "State:\\tZ" not in status:
+                others.append(pid)
+    if others:
+        found.append(f"other processes of this sample's uid: {others}")
+    return found
+
+
+def run(prompt, completion, example):
+    found = _contamination()
+    SEEN.append(completion[:20])
+    if found:
+        print("CONTAMINATED:", found)
+        return -1.0
+    namespace = {}
+    exec(completion, namespace)
+    return namespace.get("score")
+'''
+
+BATCH_REWARD = '''
+import os, time
+
+def together(prompts, completions, **kwargs):
+    for c in completions:
+        if c == "hang":
+            while True:
+                pass
+        if c == "crash":
+            os._exit(9)
+    return [float(len(completions))] * len(completions)  # a value only this exact batch gives
+'''
+
+INNOCENT = [f"score = {i} / 8" for i in range(1, 9)]
+EXPECTED = [i / 8 for i in range(1, 9)]
+TIMEOUT_S = 3.0
+
+
+@pytest.fixture(scope="module", params=["runc", "runsc"])
+def hostile_sandboxes(request, tmp_path_factory, docker_client, base_image):
+    if request.param == "runsc" and "runsc" not in docker_client.info().get("Runtimes", {}):
+        pytest.fail("the Docker engine has no runsc runtime: start it as scripts/setup.sh does")
+    root = tmp_path_factory.mktemp(f"hostile-{request.param}")
+    (root / "exec_reward.py").write_text(textwrap.dedent(REWARD))
+    (root / "batch_reward.py").write_text(textwrap.dedent(BATCH_REWARD))
+    (root / "config.yaml").write_text(yaml.safe_dump({
+        "sandbox": {"backend": "docker", "docker": {"base_image": base_image,
+                                                    "runtime": None if request.param == "runc" else "runsc"}},
+        "rewards": [{"name": "exec", "source": "exec_reward.py", "function": "run", "timeout_s": TIMEOUT_S,
+                     "workers": 2, "retries": 2, "default_score": -5.0, "memory": "1g", "pids": 256},
+                    {"name": "batch", "source": "batch_reward.py", "function": "together", "style": "batch",
+                     "timeout_s": TIMEOUT_S, "workers": 2, "default_score": -5.0}],
+    }))
+    config = load_config(root / "config.yaml")
+    sandboxes = RewardSandboxes(config, backend=docker_backend(config, docker_client))
+    sandboxes.start()
+    yield sandboxes
+    sandboxes.stop()
+
+
+def _score(sandboxes, completions):
+    reward = sandboxes["exec"]
+    return asyncio.run(reward.client.score(build_samples(["p"] * len(completions), completions, {})))
+
+
+def attack(sandboxes, hostile: str, statuses: set, innocents: int = 6) -> None:
+    """A batch with the hostile completion in the middle of innocent ones, then a batch of innocents only."""
+    batch = INNOCENT[: innocents // 2] + [textwrap.dedent(hostile)] + INNOCENT[innocents // 2: innocents]
+    expected = EXPECTED[: innocents // 2] + [None] + EXPECTED[innocents // 2: innocents]
+    started = time.monotonic()
+    report = _score(sandboxes, batch)
+    elapsed = time.monotonic() - started
+    guilty = innocents // 2
+    for i, (value, status, error) in enumerate(zip(report.values, report.statuses, report.errors)):
+        if i == guilty:
+            assert status in statuses, (status, error)
+        else:
+            assert (value, status) == (expected[i], Status.OK), (i, value, status, error, report.logs[-2000:])
+    # the whole batch took about one timeout (two, counting a kill), however hard the sample tried to stall it
+    assert elapsed < 3 * TIMEOUT_S + 10, elapsed
+    later = _score(sandboxes, INNOCENT)
+    assert later.statuses == [Status.OK] * 8 and later.values == EXPECTED, (later.errors, later.logs[-2000:])
+    assert "CONTAMINATED" not in later.logs and "CONTAMINATED" not in report.logs
+
+
+def test_a_sample_cannot_forge_the_answers_of_others_through_any_descriptor(hostile_sandboxes):
+    attack(hostile_sandboxes, """
+        import os
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            try:
+                os.write(fd, b"RBX1" + b"\\xff" * 256)
+            except OSError:
+                pass
+        score = 100.0
+    """, {Status.INVALID})  # it broke its own answer's format: never trusted
+
+
+def test_a_forged_nan_answer_is_rejected(hostile_sandboxes):
+    nan_frame = struct.pack("<4sIQI", b"RBX1", 1, 0, 0) + struct.pack("<BBdI", 1, 1, float("nan"), 0)
+    attack(hostile_sandboxes, f"""
+        import os, stat
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            try:
+                if stat.S_ISSOCK(os.fstat(fd).st_mode):
+                    os.write(fd, {nan_frame!r})
+            except OSError:
+                pass
+        os._exit(0)
+    """, {Status.INVALID})
+
+
+def test_a_sample_cannot_reach_the_server_to_load_its_own_reward(hostile_sandboxes):
+    attack(hostile_sandboxes, """
+        import socket
+        s = socket.socket(socket.AF_UNIX)
+        s.connect("/run/rewardbox/grpc.sock")  # PermissionError: the server's directory is not ours
+        score = 100.0
+    """, {Status.ERROR})
+
+
+def test_signals_and_ptrace_reach_no_other_process(hostile_sandboxes):
+    attack(hostile_sandboxes, """
+        import ctypes, os, signal
+        libc = ctypes.CDLL(None, use_errno=True)
+        me = os.getpid()
+        for pid in [int(p) for p in os.listdir("/proc") if p.isdigit()]:
+            if pid == me:
+                continue
+            libc.ptrace(16, pid, 0, 0)  # PTRACE_ATTACH
+            for sig in (signal.SIGSTOP, signal.SIGKILL):
+                try:
+                    os.kill(pid, sig)
+                except OSError:
+                    pass
+        os.kill(-1, signal.SIGKILL)  # everything it may signal: only its own uid (kill(-1) spares the caller)
+    """, {Status.OK, Status.ERROR})  # gVisor answers kill(-1) with ESRCH when it may signal nothing
+
+
+def test_a_setsid_daemon_burning_cpu_dies_with_its_sample(hostile_sandboxes):
+    attack(hostile_sandboxes, """
+        import os
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                while True:
+                    pass
+            os._exit(0)
+        score = 100.0
+    """, {Status.OK})
+
+
+def test_a_fork_bomb_stops_at_its_own_limit(hostile_sandboxes):
+    attack(hostile_sandboxes, """
+        import os, time
+        n = 0
+        try:
+            while True:
+                if os.fork() == 0:
+                    time.sleep(60)
+                    os._exit(0)
+                n += 1
+        except OSError:
+            pass
+        score = 100.0
+    """, {Status.OK, Status.TIMEOUT})
+
+
+def test_patched_builtins_globals_and_environment_stay_with_their_sample(hostile_sandboxes):
+    attack(hostile_sandboxes, """
+        import builtins, os, sys
+        builtins.planted = True
+        os.environ["PLANTED"] = "1"
+        module = next(m for n, m in sys.modules.items() if n.startswith("rewardbox_user_"))
+        module.SEEN.append("poison")
+        module.run = lambda *args, **kwargs: 0.123
+        score = 100.0
+    """, {Status.OK})
+
+
+def test_files_planted_anywhere_writable_never_reach_another_sample(hostile_sandboxes):
+    attack(hostile_sandboxes, """
+        import os
+        written = []
+        for path in ("/tmp/rbx_planted.py", "rbx_planted.py", "/tmp/random.py", "/run/rewardbox/planted",
+                     "/dev/shm/planted", "/var/tmp/planted", os.path.expanduser("~/planted")):
+            try:
+                with open(path, "w") as f:
+                    f.write("score = 99")
+                written.append(path)
+            except OSError:
+                pass
+        os.makedirs("deep/er", exist_ok=True)
+        os.chmod("deep", 0)  # a subtree its owner made unreadable: the slot's next process empties it anyway
+        score = 100.0
+    """, {Status.OK})
+
+
+def test_filling_the_disk_fills_only_the_samples_own_tmpfs(hostile_sandboxes):
+    attack(hostile_sandboxes, """
+        chunk = b"x" * (1 << 20)
+        with open("fill", "wb") as f:
+            try:
+                for _ in range(2048):  # 2 GiB, far past its 64 MiB
+                    f.write(chunk)
+            except OSError:
+                pass
+        score = 100.0
+    """, {Status.OK})
+
+
+def test_a_flood_of_output_is_bounded_and_reaches_no_log(hostile_sandboxes, docker_client):
+    container = hostile_sandboxes.replicas["exec"][0].sandbox.container
+    before = len(container.logs())
+    attack(hostile_sandboxes, """
+        import os, sys
+        block = "y" * 65536
+        for _ in range(160):  # 10 MiB through print, and 10 MiB straight to the descriptors
+            print(block)
+            os.write(1, block.encode())
+            os.write(2, block.encode())
+        score = 100.0
+    """, {Status.OK})
+    assert len(container.logs()) - before < 64 * 1024
+
+
+@pytest.mark.parametrize("hostile, status", [
+    ("class F(float):\n    def __float__(self):\n        raise RuntimeError('no')\nscore = F(1.0)\n", Status.INVALID),
+    ("class R:\n    def __repr__(self):\n        raise RuntimeError('no')\nscore = R()\n", Status.INVALID),
+    ("print('\\ud800 lone surrogate')\nscore = 1.0\n", Status.OK),
+    ("raise ValueError('\\udcff in an error')\n", Status.ERROR),
+    ("class E(Exception):\n    def __str__(self):\n        raise RuntimeError('no')\nraise E()\n", Status.ERROR),
+    ("score = 'x' * 10_000_000\n", Status.INVALID),
+])
+def test_failures_after_the_call_are_the_samples_own(hostile_sandboxes, hostile, status):
+    attack(hostile_sandboxes, hostile, {status})
+
+
+def test_a_sample_that_stops_itself_times_out_alone(hostile_sandboxes):
+    attack(hostile_sandboxes, """
+        import os, signal
+        os.kill(os.getpid(), signal.SIGSTOP)
+    """, {Status.TIMEOUT})
+
+
+def test_a_memory_bomb_kills_only_its_sample(hostile_sandboxes):
+    attack(hostile_sandboxes, """
+        hog = []
+        while True:
+            hog.append(bytearray(64 << 20))
+    """, {Status.CRASH, Status.ERROR})  # the OOM killer (crash) or a MemoryError (error)
+
+
+def test_a_sample_cannot_read_what_another_process_holds(hostile_sandboxes):
+    attack(hostile_sandboxes, """
+        import os
+        readable = []
+        for pid in [p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]:
+            for what in ("environ", "mem", "fd/0"):
+                try:
+                    with open(f"/proc/{pid}/{what}", "rb") as f:
+                        f.read(1)
+                    readable.append((pid, what))
+                except OSError:
+                    pass
+        score = float(len(readable))  # whatever it found (its own children only) changes nothing of others
+    """, {Status.OK})
+
+
+@pytest.mark.parametrize("guilty, status", [("hang", Status.TIMEOUT), ("crash", Status.CRASH)])
+def test_a_batch_call_that_hangs_or_crashes_scores_its_innocents_together_without_the_guilty(
+        hostile_sandboxes, guilty, status):
+    completions = ["a", "b", guilty, "c", "d", "e"]
+    started = time.monotonic()
+    report = asyncio.run(hostile_sandboxes["batch"].client.score(build_samples(["p"] * 6, completions, {})))
+    assert time.monotonic() - started < 3 * TIMEOUT_S + 10
+    assert report.statuses[2] == status and report.values[2] == -5.0
+    # the five innocents were scored as one batch of five, not as batches of one
+    assert [report.values[i] for i in (0, 1, 3, 4, 5)] == [5.0] * 5
+    assert [report.statuses[i] for i in (0, 1, 3, 4, 5)] == [Status.OK] * 5
+    later = asyncio.run(hostile_sandboxes["batch"].client.score(build_samples(["p"] * 3, ["x", "y", "z"], {})))
+    assert later.values == [3.0] * 3 and later.statuses == [Status.OK] * 3
