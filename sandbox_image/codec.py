@@ -87,6 +87,21 @@ def result_limit(samples: int, max_log_bytes: int) -> int:
     return _HEADER.size + samples * (_SAMPLE.size + MAX_ERROR_BYTES) + max_log_bytes + LOG_SLACK_BYTES
 
 
+def answer_length(data: bytes, samples: int) -> Optional[int]:
+    """How long the answer that starts ``data`` is, once enough of it arrived to tell (None before that), so the
+    reader stops at its end instead of waiting for the socket to close (a process the sample left behind may hold
+    it open). The result is only a length: :func:`decode_result` still checks everything."""
+    if len(data) < _HEADER.size:
+        return None
+    _, count, _, log_length = _HEADER.unpack_from(data, 0)
+    offset = _HEADER.size
+    for _ in range(min(count, samples)):
+        if offset + _SAMPLE.size > len(data):
+            return None
+        offset += _SAMPLE.size + _SAMPLE.unpack_from(data, offset)[3]
+    return offset + log_length
+
+
 def decode_result(data: bytes, samples: int, max_log_bytes: int) -> ChunkResult:
     """Parses and validates a worker's answer for ``samples`` samples.
 

@@ -126,6 +126,7 @@ class FunctionPool:
             log.error("reward %s: slot %s cannot be prepared: %s", self.name, message["slot"], message["reason"])
             if len(self.broken_slots) >= self.slots:
                 self._gone("no slot process could be prepared")
+                self.close()  # the template exits and its uids return to the supervisor
 
     def _gone(self, why: str) -> None:
         if self.dead is None:
@@ -272,7 +273,7 @@ class FunctionPool:
             return None, await self._died(request)
         limit = codec.result_limit(len(batch), self.config.max_log_bytes)
         try:
-            data = await asyncio.wait_for(self._read_bounded(ours, limit + 1),
+            data = await asyncio.wait_for(self._read_answer(ours, len(batch), limit + 1),
                                           self._hard_timeout(len(batch), timeout_s))
         except asyncio.TimeoutError:
             try:
@@ -298,16 +299,20 @@ class FunctionPool:
                 continue
             return byte if byte == codec.STARTED else None
 
-    async def _read_bounded(self, ours: socket.socket, limit: int) -> bytes:
+    async def _read_answer(self, ours: socket.socket, samples: int, limit: int) -> bytes:
+        """The answer's bytes: up to the length it declares (or EOF, or ``limit``, whichever comes first)."""
         loop = asyncio.get_running_loop()
-        chunks, size = [], 0
-        while size < limit:
-            data = await loop.sock_recv(ours, min(_READ_CHUNK, limit - size))
-            if not data:
+        data = b""
+        while len(data) < limit:
+            expected = codec.answer_length(data, samples)
+            if expected is not None and len(data) >= expected:
                 break
-            chunks.append(data)
-            size += len(data)
-        return b"".join(chunks)
+            want = min(_READ_CHUNK, limit - len(data)) if expected is None else min(expected, limit) - len(data)
+            chunk = await loop.sock_recv(ours, want)
+            if not chunk:
+                break
+            data += chunk
+        return data
 
     async def _died(self, request: int) -> Outcome:
         exit_ = self._exits.setdefault(request, _Exit(""))
@@ -326,14 +331,16 @@ class FunctionPool:
             self.close()
 
     def close(self) -> None:
+        if self.sock.fileno() < 0:
+            return
+        try:
+            send(self.sock, {"op": "close"})
+        except OSError:
+            pass
         if self.dead is None:
-            try:
-                send(self.sock, {"op": "close"})
-            except OSError:
-                pass
             self.dead = "closed"
-            try:
-                asyncio.get_running_loop().remove_reader(self.sock.fileno())
-            except (RuntimeError, ValueError):
-                pass
+        try:
+            asyncio.get_running_loop().remove_reader(self.sock.fileno())
+        except (RuntimeError, ValueError):
+            pass
         self.sock.close()

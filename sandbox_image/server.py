@@ -114,14 +114,27 @@ class Supervisor:
 class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
     """Holds the loaded functions; the processes behind them live in FunctionPool."""
 
-    def __init__(self, supervisor: Supervisor, default_warm: int = DEFAULT_WARM) -> None:
+    def __init__(self, supervisor: Supervisor, default_warm: int = DEFAULT_WARM,
+                 health: Optional[HealthServicer] = None) -> None:
         self.supervisor = supervisor
         self.default_warm = default_warm
+        self.health = health
         self.functions: dict[str, FunctionPool] = {}
         self._load_lock = asyncio.Lock()
 
     async def _start(self, config: WorkerConfig, budget_s: float) -> FunctionPool:
-        return await FunctionPool.start(config, self.supervisor.spawn, budget_s)
+        try:
+            return await FunctionPool.start(config, self.supervisor.spawn, budget_s)
+        except PoolUnavailable as e:
+            await self.broken(str(e))
+            raise
+
+    async def broken(self, why: str) -> None:
+        """This sandbox cannot run its rewards any more: NOT_SERVING, so the host replaces it."""
+        log.error("reporting NOT_SERVING: %s", why)
+        if self.health is not None:
+            for service in ("", SERVICE_NAME):
+                await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def Load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadResponse:
         async with self._load_lock:
@@ -236,9 +249,9 @@ async def serve(listen: str, supervisor: Supervisor, parent_pid: Optional[int] =
             os.unlink(listen[len("unix://") :])
     supervisor.sock.setblocking(True)
     server = grpc.aio.server(options=GRPC_OPTIONS)
-    servicer = RewardSandboxServicer(supervisor, default_warm or DEFAULT_WARM)
-    pb_grpc.add_RewardSandboxServicer_to_server(servicer, server)
     health = HealthServicer()
+    servicer = RewardSandboxServicer(supervisor, default_warm or DEFAULT_WARM, health)
+    pb_grpc.add_RewardSandboxServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
@@ -272,9 +285,7 @@ async def serve(listen: str, supervisor: Supervisor, parent_pid: Optional[int] =
                     pid = supervisor.pid
                 if pid == supervisor.pid:
                     supervisor.alive = False
-                    log.error("the supervisor process is gone; reporting NOT_SERVING")
-                    for service in ("", SERVICE_NAME):
-                        await health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+                    await servicer.broken("the supervisor process is gone")
             await asyncio.sleep(0.5)
 
     watcher = asyncio.ensure_future(watch())

@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 import os
 import resource
-import shutil
 import signal
 import socket
 import stat
-import sys
+import struct
 import time
 import traceback
 from dataclasses import dataclass
@@ -40,7 +38,11 @@ from ..wire import Outcome, Status, TrainerState
 from . import codec, worker
 from .channel import ChannelClosed, optional_fd, recv
 
-READY = b"R"
+READY = b"R"  # followed by the IPC mark (u64)
+FAILED = b"F"  # followed by why (UTF-8, at most MAX_REASON bytes), before the process exits
+MAX_REASON = 2000
+_MARK = struct.Struct("<Q")
+READY_SIZE = 1 + _MARK.size
 _READ_CHUNK = 1 << 16
 
 
@@ -53,6 +55,7 @@ class SlotSpec:
     directory: str
     nproc: Optional[int] = None  # RLIMIT_NPROC for its uid
     memory: Optional[int] = None  # RLIMIT_AS of each of its processes, bytes
+    ipc_mark: int = 0  # gVisor: the last SysV IPC id this slot's cleanup saw
 
 
 def _close_inherited(keep: int) -> None:
@@ -68,8 +71,8 @@ def _close_inherited(keep: int) -> None:
             pass
 
 
-def _pids_of(uid: int) -> list[int]:
-    """Live (not zombie) processes whose real uid is ``uid``."""
+def _pids_of(uid: int, running_only: bool = False) -> list[int]:
+    """Live (not zombie) processes whose real uid is ``uid`` (with ``running_only``: those not stopped)."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -80,48 +83,88 @@ def _pids_of(uid: int) -> list[int]:
         except OSError:
             continue
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        if int(fields.get("Uid", "-1").split()[0]) == uid and not fields.get("State", "").strip().startswith("Z"):
+        state = fields.get("State", "").strip()[:1]
+        if int(fields.get("Uid", "-1").split()[0]) == uid and state != "Z" and not (running_only and state == "T"):
             found.append(int(entry))
     return found
 
 
-def reap_uid(uid: int, deadline_s: float = 10.0) -> None:
-    """Kills every other process of ``uid`` (run as ``uid``, so kill(-1) reaches exactly those).
+def _signal_all(sig: int) -> None:
+    try:
+        os.kill(-1, sig)
+    except ProcessLookupError:  # gVisor: nothing it may signal
+        pass
 
-    kill(-1) returns success whenever any other process exists in the pid namespace, signalled or not, so the
-    only proof that none is left is /proc.
+
+STABLE_SCANS = 3
+
+
+def kill_uid(uid: int, deadline_s: float = 10.0) -> None:
+    """Kills every process of ``uid``; called as (real R, effective ``uid``, saved 0), which those processes can
+    neither signal nor trace, so nothing they do can stop it.
+
+    kill(-1) reaches exactly those processes. Linux holds its task list while it signals, so none can fork past it;
+    gVisor does not, and a process caught forking may leave a child. So they are first stopped (a stopped process
+    cannot fork) until several scans in a row find none of them running, then killed, then /proc must show none
+    left (kill(-1) returns success whenever any other process exists, so /proc is the only proof).
+
+    Raises:
+        RuntimeError: some survived ``deadline_s`` (a process stuck in the kernel).
     """
-    me = os.getpid()
     end = time.monotonic() + deadline_s
-    while [p for p in _pids_of(uid) if p != me]:
+    stable = 0
+    while stable < STABLE_SCANS:
+        _signal_all(signal.SIGSTOP)
+        stable = stable + 1 if not _pids_of(uid, running_only=True) else 0
+        if time.monotonic() > end:
+            raise RuntimeError(f"processes of uid {uid} kept running through SIGSTOP for {deadline_s:g}s")
+    while True:
+        _signal_all(signal.SIGKILL)
+        if not _pids_of(uid):
+            return
         if time.monotonic() > end:
             raise RuntimeError(f"processes of uid {uid} survived SIGKILL for {deadline_s:g}s")
-        try:
-            os.kill(-1, signal.SIGKILL)
-        except OSError:
-            pass
         time.sleep(0.001)
 
 
-def _remove_ipc(uid: int) -> None:
-    """Removes the SysV IPC objects and POSIX message queues ``uid`` owns (the owner may remove them)."""
-    libc_name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(libc_name, use_errno=True) if libc_name else None
-    ipc_rmid = 0
-    for kind, remove in (("shm", "shmctl"), ("sem", "semctl"), ("msg", "msgctl")):
-        try:
-            with open(f"/proc/sysvipc/{kind}") as f:
-                lines = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            columns = line.split()
-            ident, owner = int(columns[1]), int(columns[7 if kind == "shm" else 4 if kind == "sem" else 7])
-            if owner == uid and libc is not None:
-                if kind == "sem":
-                    libc.semctl(ident, 0, ipc_rmid)
-                else:
-                    getattr(libc, remove)(ident, ipc_rmid, None)
+_IPC_RMID, _IPC_STAT = 0, 2
+# (control function, *_INFO command giving the highest index, *_STAT command taking an index, creation call)
+_IPC_KINDS = (("shmctl", 14, 13, lambda libc: libc.shmget(0, 1, 0o1600)),
+              ("msgctl", 12, 11, lambda libc: libc.msgget(0, 0o1600)),
+              ("semctl", 19, 18, lambda libc: libc.semget(0, 1, 0o1600)))
+
+
+def _ctl(libc, kind: str, ident: int, command: int, buf) -> int:
+    if kind == "semctl":
+        return libc.semctl(ident, 0, command, buf)
+    return getattr(libc, kind)(ident, command, buf)
+
+
+def remove_ipc(uid: int, mark: int) -> int:
+    """Removes the SysV IPC objects ``uid`` created or owns (running with effective uid ``uid``: the kernel allows
+    the creator or the owner to remove an object, whoever it was given to) and its POSIX message queues.
+
+    Linux lists objects by index (*_INFO, *_STAT). gVisor has no such index, but numbers objects in order: the ids
+    allocated since ``mark`` (what this slot's last cleanup saw) are tried. Returns the new mark.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)  # the libc this process already has (find_library runs ldconfig)
+    buf = ctypes.create_string_buffer(512)
+    indexed = os.path.isdir("/proc/sysvipc")
+    new_mark = mark
+    for kind, info, stat_by_index, create in _IPC_KINDS:
+        if indexed:
+            top = _ctl(libc, kind, 0, info, buf)
+            candidates = [_ctl(libc, kind, i, stat_by_index, buf) for i in range(max(-1, top) + 1)]
+        else:
+            probe = create(libc)  # the next id: every object created since the mark is below it
+            if probe < 0:
+                continue  # this kind cannot be created at all here
+            candidates = list(range(mark + 1, probe))
+            _ctl(libc, kind, probe, _IPC_RMID, None)
+            new_mark = max(new_mark, probe)
+        for ident in candidates:
+            if ident >= 0:
+                _ctl(libc, kind, ident, _IPC_RMID, None)  # EPERM for other uids' objects: left alone
     if os.path.isdir("/dev/mqueue"):
         for name in os.listdir("/dev/mqueue"):
             path = os.path.join("/dev/mqueue", name)
@@ -130,43 +173,69 @@ def _remove_ipc(uid: int) -> None:
                     os.unlink(path)
             except OSError:
                 pass
+    return new_mark
 
 
-def _empty(directory: str) -> None:
-    """Removes everything in ``directory`` (the owner may make a read-only subtree writable again)."""
-    def make_writable(function, path, excinfo):
-        try:
-            os.chmod(os.path.dirname(path), stat.S_IRWXU)
-            os.chmod(path, stat.S_IRWXU)
-        except OSError:
-            pass
-        try:
-            (shutil.rmtree if os.path.isdir(path) and not os.path.islink(path) else os.unlink)(path)
-        except OSError:
-            pass
+def empty(directory: str) -> None:
+    """Removes everything in ``directory``, however deep, as its owner.
 
+    Iterative and relative to open directories: a tree deeper than the recursion limit or longer than PATH_MAX
+    is flattened, one subdirectory at a time, into the top directory (renamed there under a fresh name), so at most
+    two directories are open at once.
+
+    Raises:
+        OSError: something cannot be removed.
+    """
+    top = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    counter = 0
     try:
-        os.chmod(directory, stat.S_IRWXU)
-        entries = os.listdir(directory)
-    except OSError:
-        return
-    for name in entries:
-        path = os.path.join(directory, name)
-        try:
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path, onerror=make_writable)
-            else:
-                os.unlink(path)
-        except OSError:
-            make_writable(None, path, None)
+        os.fchmod(top, stat.S_IRWXU)
+        while True:
+            with os.scandir(top) as entries:
+                names = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+            if not names:
+                return
+            for name, is_dir in names:
+                if not is_dir:
+                    os.unlink(name, dir_fd=top)
+                    continue
+                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
+                try:
+                    os.fchmod(sub, stat.S_IRWXU)
+                    with os.scandir(sub) as entries:
+                        inner = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+                    for inner_name, inner_is_dir in inner:
+                        if inner_is_dir:
+                            counter += 1
+                            os.rename(inner_name, f".rbx-{counter}-{inner_name[:100]}", src_dir_fd=sub,
+                                      dst_dir_fd=top)
+                        else:
+                            os.unlink(inner_name, dir_fd=sub)
+                finally:
+                    os.close(sub)
+                os.rmdir(name, dir_fd=top)
+    finally:
+        os.close(top)
 
 
-def prepare(slot: SlotSpec, control_fd: int) -> None:
-    """Makes this freshly forked process a slot (see the module docstring). Raises OSError when it cannot."""
+def _set_oom_score_adj(value: int) -> None:
+    # Before dropping privileges: afterwards this process is no longer dumpable and the file is root's.
+    with open("/proc/self/oom_score_adj", "w") as f:
+        f.write(str(value))
+
+
+REAPER_UID_BIT = 1 << 31  # a real uid of its own for the cleanup stage: no slot process runs under it
+
+
+def prepare(slot: SlotSpec, control_fd: int) -> int:
+    """Makes this freshly forked process a slot (see the module docstring). Returns the IPC mark for the template.
+
+    Raises:
+        OSError, RuntimeError: it cannot be prepared; the slot is not used.
+    """
     os.setsid()
     if slot.uid is None:
-        # Local backend: nothing reaps by uid, so a slot process must not outlive its template. (With dedicated
-        # uids it may: an innocent sample keeps running to its answer, and the slot's next process reaps.)
+        # Local backend: nothing reaps by uid, so a slot process must not outlive its template.
         from .supervisor import die_with_parent
 
         die_with_parent()
@@ -174,28 +243,34 @@ def prepare(slot: SlotSpec, control_fd: int) -> None:
         signal.signal(sig, signal.SIG_DFL)
     signal.set_wakeup_fd(-1)
     _close_inherited(control_fd)
+    try:
+        _set_oom_score_adj(1000)
+    except OSError:
+        if slot.uid is not None:
+            raise
+    mark = slot.ipc_mark
     if slot.uid is not None:
         os.setgroups([])
-        os.setgid(slot.uid)
-        os.setuid(slot.uid)
+        os.setresgid(slot.uid, slot.uid, slot.uid)
+        # Clean up after the uid's earlier processes while they can neither signal nor trace this one.
+        os.setresuid(slot.uid | REAPER_UID_BIT, slot.uid, 0)
+        kill_uid(slot.uid)
+        mark = remove_ipc(slot.uid, mark)
+        empty(slot.directory)
+        os.seteuid(0)  # the capabilities return (the saved uid is 0) for the one last change
+        os.setresuid(slot.uid, slot.uid, slot.uid)  # no capability is left after this
+    else:
+        os.makedirs(slot.directory, mode=0o700, exist_ok=True)
+        empty(slot.directory)
     if slot.nproc is not None:
         resource.setrlimit(resource.RLIMIT_NPROC, (slot.nproc, slot.nproc))
     if slot.memory is not None:
         resource.setrlimit(resource.RLIMIT_AS, (slot.memory, slot.memory))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    try:
-        with open("/proc/self/oom_score_adj", "w") as f:
-            f.write("1000")
-    except OSError:
-        pass
-    if slot.uid is not None:  # never as the server's own user: kill(-1) would reach the whole user
-        reap_uid(slot.uid)
-        _remove_ipc(slot.uid)
-    os.makedirs(slot.directory, mode=0o700, exist_ok=True)
-    _empty(slot.directory)
     os.chdir(slot.directory)
     os.environ.update(HOME=slot.directory, TMPDIR=slot.directory, PWD=slot.directory)
     worker.install_capture()
+    return mark
 
 
 def _read_request(sock: socket.socket) -> bytes:
@@ -285,9 +360,9 @@ async def _serve_async(loaded: worker.Loaded, control: socket.socket) -> None:
     await closed
 
 
-def serve(loaded: worker.Loaded, control: socket.socket, reuse: bool) -> None:
+def serve(loaded: worker.Loaded, control: socket.socket, reuse: bool, mark: int) -> None:
     """Serves request sockets sent over ``control``: one (``reuse`` false) or until the template goes away."""
-    control.sendall(READY)
+    control.sendall(READY + _MARK.pack(mark))
     if reuse and loaded.info.is_async:
         asyncio.run(_serve_async(loaded, control))
         return
@@ -310,14 +385,18 @@ def run(loaded: worker.Loaded, slot: SlotSpec, control: socket.socket, reuse: bo
     """The whole life of a slot process; never returns."""
     code = 0
     try:
-        prepare(slot, control.fileno())
-        serve(loaded, control, reuse)
-    except BaseException as e:  # noqa: BLE001 - reported through the exit code; the template logs it
-        code = 70
         try:
-            os.write(2, f"rewardbox slot {slot.index}: {type(e).__name__}: {e}\n".encode())
-        except OSError:
-            pass
+            mark = prepare(slot, control.fileno())
+        except BaseException as e:  # noqa: BLE001 - still trusted code here: tell the template why
+            code = 70
+            reason = f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:MAX_REASON]
+            try:
+                control.sendall(FAILED + reason)
+            except OSError:
+                pass
+            return
+        serve(loaded, control, reuse, mark)
+    except BaseException:  # noqa: BLE001 - reward code ran in this process: nothing it says is reported
+        code = 70
     finally:
-        sys.stdout.flush = lambda: None  # nothing of user code's buffered output reaches a descriptor
         os._exit(code)

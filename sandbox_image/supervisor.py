@@ -14,7 +14,6 @@ it exits. The supervisor dies with the server (PR_SET_PDEATHSIG) and templates d
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import selectors
 import signal
@@ -33,10 +32,9 @@ _PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent() -> None:
-    """Asks the kernel to SIGKILL this process when its parent exits (best effort where prctl is missing)."""
-    name = ctypes.util.find_library("c")
-    if name:
-        ctypes.CDLL(name, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    """Asks the kernel to SIGKILL this process when its parent exits."""
+    # CDLL(None): the libc already loaded (find_library would run ldconfig in a subprocess).
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 @dataclass(frozen=True)

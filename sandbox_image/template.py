@@ -16,6 +16,7 @@ and nothing they say reaches the template or the server except through a request
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gc
 import os
 import selectors
@@ -45,6 +46,7 @@ class _Slot:
     setup_failures: int = 0
     respawn_at: float = 0.0
     broken: bool = False
+    last_failure: str = ""
 
 
 class Template:
@@ -113,15 +115,27 @@ class Template:
         self.selector.register(parent_end, selectors.EVENT_READ, s)
 
     def _ready(self, s: _Slot) -> None:
+        """The slot's one message, written before any reward code ran: ready (with its IPC mark), or why not."""
+        message = b""
         try:
-            byte = s.control.recv(1)
+            while len(message) < slots.READY_SIZE:
+                chunk = s.control.recv(slots.MAX_REASON + 1)
+                if not chunk:
+                    break
+                message += chunk
+                if message[:1] == slots.FAILED:
+                    break
         except OSError:
-            byte = b""
+            pass
         self.selector.unregister(s.control)
-        if byte == slots.READY:
+        if message[:1] == slots.READY and len(message) == slots.READY_SIZE:
+            (mark,) = slots._MARK.unpack(message[1:])
+            s.spec = dataclasses.replace(s.spec, ipc_mark=mark)
             s.ready, s.setup_failures = True, 0
             # From here on reward code may run in that process: nothing it writes is read.
             s.control.shutdown(socket.SHUT_RD)
+        elif message[:1] == slots.FAILED:
+            s.last_failure = message[1:].decode("utf-8", "replace")
 
     def _reap(self) -> None:
         while True:
@@ -153,8 +167,8 @@ class Template:
             s.setup_failures += 1
             if s.setup_failures >= MAX_SETUP_FAILURES:
                 s.broken = True
-                send(self.server, {"op": "slot_failed", "slot": s.spec.index,
-                                   "reason": f"its process died before it was ready ({_describe(status)})"})
+                why = s.last_failure or f"its process died before it was ready ({_describe(status)})"
+                send(self.server, {"op": "slot_failed", "slot": s.spec.index, "reason": why})
                 return
         s.respawn_at = time.monotonic() + (RESPAWN_BACKOFF_S * s.setup_failures if s.setup_failures else 0)
 

@@ -6,8 +6,8 @@ What a container gets (the docker backend's hardening):
 - it starts as root holding only SETUID, SETGID and KILL (``cap_drop: ALL`` otherwise, ``no-new-privileges``): the
   sandbox's supervisor needs them to run slot processes under uids of their own; the gRPC server drops to
   ``server_uid`` and slot processes hold no capability at all;
-- a read-only root filesystem; ``/tmp`` is a tiny root-only tmpfs, and each slot uid has its own tmpfs
-  (``/tmp/slot-<uid>``, mode 0700, ``tmpfs_size``), so no sample can write where another can read;
+- a read-only root filesystem (``/tmp`` included); each slot uid has its own tmpfs (``/tmp/slot-<uid>``, mode
+  0700, ``tmpfs_size``), so no sample can write where another can read; no SysV IPC or message queues;
 - the gRPC socket's directory is a 1 MiB ``nosuid,nodev,noexec`` tmpfs volume owned by the server uid (mode 0700):
   nothing a container writes lands on host disk, and no sample can reach the socket;
 - memory (no swap), CPU and pids limits; no network unless the reward asks; no ``/dev/shm`` under
@@ -41,6 +41,7 @@ SOCKET_DIR_IN_CONTAINER = "/run/rewardbox"
 SOCKET_NAME = "grpc.sock"
 SLOT_DIR_PREFIX = "/tmp/slot-"  # the sandbox's supervisor expects each slot's tmpfs here
 CAPABILITIES = ("SETUID", "SETGID", "KILL")
+IPC_OFF = {"kernel.shmmni": "0", "kernel.msgmni": "0", "kernel.sem": "0 0 0 0", "fs.mqueue.queues_max": "0"}
 LOG_MAX_SIZE, LOG_MAX_FILES = "4m", "2"
 
 
@@ -107,9 +108,12 @@ class ContainerSpec:
             cap_add=list(CAPABILITIES),
             security_opt=["no-new-privileges"],
             read_only=True,
-            # A typed tmpfs mount keeps its mode: `--tmpfs /tmp` would copy the image's 1777 over it.
-            mounts=[docker.types.Mount("/tmp", None, type="tmpfs", tmpfs_size=1 << 20, tmpfs_mode=0o755)],
+            # /tmp stays the image's directory on the read-only root: nobody can write there (a tmpfs mounted on
+            # it, typed or not, gets the image directory's 1777 copied over its mode). Slots write their own.
             tmpfs=self.slot_tmpfs(),
+            # No SysV IPC objects or POSIX message queues at all (runc; gVisor ignores these and the slots'
+            # cleanup removes what a sample created there).
+            sysctls=IPC_OFF,
             mem_limit=self.mem_limit,
             memswap_limit=self.mem_limit,  # no swap beyond the memory limit
             nano_cpus=self.nano_cpus,

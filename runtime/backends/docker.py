@@ -49,8 +49,9 @@ def sample_limits(reward: RewardSpec, slots: int, gvisor: bool) -> tuple[int, Op
         memory = docker.utils.parse_bytes(reward.memory)
         return GVISOR_SAMPLE_PROCESSES, max(GVISOR_MIN_SAMPLE_BYTES,
                                             (memory - GVISOR_OVERHEAD_BYTES) // max(1, reward.workers))
-    # Under runc the kernel's OOM killer takes the sample (oom_score_adj 1000); pids are the only shared budget.
-    return max(MIN_SLOT_PROCESSES, (reward.pids - slots - OWN_PROCESSES) // max(1, reward.workers)), None
+    # Under runc the kernel's OOM killer takes the sample (oom_score_adj 1000); pids are the only shared budget. It
+    # is shared by the samples running (workers) and by as many that just ended, whose leftovers are being killed.
+    return max(MIN_SLOT_PROCESSES, (reward.pids - slots - OWN_PROCESSES) // (2 * max(1, reward.workers))), None
 
 
 class DockerSettings(BackendSettings):
@@ -138,7 +139,7 @@ class DockerBackend:
         per_version = sandbox_slots(reward.isolation, reward.workers, reward.warm or default_warm)
         # Two versions of the function may run at once (a reload's new one while the old one finishes).
         slots = 2 * per_version
-        needed = slots + reward.workers * MIN_SLOT_PROCESSES + OWN_PROCESSES
+        needed = slots + 2 * reward.workers * MIN_SLOT_PROCESSES + OWN_PROCESSES
         if reward.pids < needed:
             raise ConfigError(f"reward {reward.name!r}: pids: {reward.pids} leaves too little room for its "
                               f"{per_version} slot processes (warm/workers) and what each sample may fork; set "

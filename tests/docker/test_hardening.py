@@ -20,9 +20,14 @@ def write_root(prompt, completion, example):
         return 0.0
 
 def write_tmp(prompt, completion, example):
-    with open("/tmp/ok", "w") as f:
+    try:
+        open("/tmp/ok", "w").close()
+        return -1.0  # /tmp must not be writable: nothing there would be private to a sample
+    except OSError:
+        pass
+    with open(os.path.join(os.environ["TMPDIR"], "ok"), "w") as f:  # its own scratch directory
         f.write("x")
-    return 1.0
+    return 1.0 if os.getcwd() == os.environ["TMPDIR"] else -2.0
 
 def uid(prompt, completion, example):
     return float(os.getuid())
@@ -70,11 +75,11 @@ def _listener():
     return server, server.getsockname()[1]
 
 
-def test_root_filesystem_is_read_only_and_tmp_is_writable(docker_sandboxes):
+def test_root_and_tmp_are_read_only_and_each_sample_writes_its_own_scratch_directory(docker_sandboxes):
     s = docker_sandboxes([{"name": "write_root", "code": PROBES},
                           {"name": "write_tmp", "file": "write_root.py"}])
     assert score(s, "write_root", ["x"]).values == [0.0]
-    assert score(s, "write_tmp", ["x"]).statuses == ["ok"]
+    assert score(s, "write_tmp", ["x"]).values == [1.0]
 
 
 def test_reward_code_does_not_run_as_root(docker_sandboxes):
@@ -145,8 +150,9 @@ def test_container_settings_are_hardened(docker_sandboxes):
     assert host["PidsLimit"] == 99
     assert host["IpcMode"] == "none"  # no /dev/shm that every sample could write
     assert host["LogConfig"]["Config"] == {"max-size": "4m", "max-file": "2"}
-    # /tmp is root's; each slot uid has a tmpfs of its own, mode 0700
-    assert [(m["Target"], m["TmpfsOptions"]["Mode"]) for m in host["Mounts"]] == [("/tmp", 0o755)]
+    # no SysV IPC, no message queues; each slot uid has a tmpfs of its own, mode 0700
+    assert host["Sysctls"] == {"kernel.shmmni": "0", "kernel.msgmni": "0", "kernel.sem": "0 0 0 0",
+                               "fs.mqueue.queues_max": "0"}
     slot_mounts = host["Tmpfs"]
     assert len(slot_mounts) == 8  # two versions x 4 warm processes
     assert all("nosuid" in o and "nodev" in o and "mode=0700" in o and f"uid={p.rsplit('-', 1)[1]}" in o
@@ -154,7 +160,7 @@ def test_container_settings_are_hardened(docker_sandboxes):
     # the only other mount is the socket's: a volume, not a host directory
     [socket_mount] = [m for m in container.attrs["Mounts"] if m["Destination"] == "/run/rewardbox"]
     assert socket_mount["Type"] == "volume"
-    assert len(container.attrs["Mounts"]) == 2  # /tmp and the socket volume
+    assert len(container.attrs["Mounts"]) == 1  # nothing else: /tmp is the read-only root's
     # who runs as whom: init, the supervisor and the template as root (3 capabilities); the server as nobody;
     # the reward code as slot uids
     # (a freshly forked slot process is root for the moment before it drops to its uid: wait until all settled)

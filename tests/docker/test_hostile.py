@@ -22,7 +22,9 @@ from rewardbox.wire import Status
 from tests.docker.conftest import docker_backend
 
 REWARD = '''
-import builtins, importlib.util, os, sys
+import builtins, ctypes, importlib.util, os, sys
+
+SHM_KEY = 0x52425831  # a SysV key a hostile sample may try to leave an object under
 
 SEEN = []  # module state a sample could try to poison for the next ones
 
@@ -39,6 +41,10 @@ def _contamination():
         found.append(f"files in the scratch directory: {os.listdir('.')}")
     if importlib.util.find_spec("rbx_planted") is not None:
         found.append("a planted module")
+    if os.path.exists("/tmp/rbx_planted_file"):
+        found.append("a file in /tmp")
+    if ctypes.CDLL(None).shmget(SHM_KEY, 0, 0) >= 0:
+        found.append("a SysV shared memory segment")
     me = os.getuid()
     others = []
     for pid in os.listdir("/proc"):
@@ -229,8 +235,8 @@ def test_files_planted_anywhere_writable_never_reach_another_sample(hostile_sand
     attack(hostile_sandboxes, """
         import os
         written = []
-        for path in ("/tmp/rbx_planted.py", "rbx_planted.py", "/tmp/random.py", "/run/rewardbox/planted",
-                     "/dev/shm/planted", "/var/tmp/planted", os.path.expanduser("~/planted")):
+        for path in ("/tmp/rbx_planted.py", "/tmp/rbx_planted_file", "rbx_planted.py", "/tmp/random.py",
+                     "/run/rewardbox/planted", "/dev/shm/planted", "/var/tmp/planted", os.path.expanduser("~/planted")):
             try:
                 with open(path, "w") as f:
                     f.write("score = 99")
@@ -327,3 +333,127 @@ def test_a_batch_call_that_hangs_or_crashes_scores_its_innocents_together_withou
     assert [report.statuses[i] for i in (0, 1, 3, 4, 5)] == [Status.OK] * 5
     later = asyncio.run(hostile_sandboxes["batch"].client.score(build_samples(["p"] * 3, ["x", "y", "z"], {})))
     assert later.values == [3.0] * 3 and later.statuses == [Status.OK] * 3
+
+
+def test_leftovers_that_kill_every_new_process_of_their_uid_cannot_keep_the_slot(hostile_sandboxes):
+    # The red team's slot breaker: a guard SIGKILLs each new process of its uid (the slot's next one, right after
+    # it takes the uid), and squatters fill the uid's process limit and spin on the CPU once the sample is over.
+    # Cleanup runs with a real and saved uid of its own: they can neither signal it nor outlive it.
+    for _ in range(3):
+        attack(hostile_sandboxes, """
+            import os, resource, select, time
+            r, w = os.pipe()
+
+            def child(body):
+                if os.fork() == 0:
+                    try:
+                        os.setsid()
+                        os.closerange(0, r)
+                        os.closerange(r + 1, 65536)
+                        body()
+                    finally:
+                        os._exit(0)
+
+            def spin():
+                os.read(r, 1)  # EOF once the sample's process is gone
+                while True:
+                    pass
+
+            def guard():
+                me, seen = os.getpid(), set()
+                while True:
+                    for p in [int(e) for e in os.listdir("/proc") if e.isdigit()]:
+                        if p != me:
+                            try:
+                                os.kill(p, 9)
+                            except OSError:
+                                pass
+
+            for _ in range(max(0, resource.getrlimit(resource.RLIMIT_NPROC)[0] - 3)):
+                try:
+                    child(spin)
+                except OSError:
+                    break
+            child(guard)
+            score = 100.0
+        """, {Status.OK, Status.TIMEOUT, Status.CRASH})  # its guard may kill its own sample first
+
+
+def test_processes_that_keep_changing_pid_are_killed_all_the_same(hostile_sandboxes):
+    for _ in range(2):
+        attack(hostile_sandboxes, """
+            import os
+            for _ in range(4):
+                if os.fork() == 0:
+                    os.setsid()
+                    while True:  # a new pid every few microseconds: no /proc scan finds it twice
+                        if os.fork() != 0:
+                            os._exit(0)
+            score = 100.0
+        """, {Status.OK})
+
+
+def test_a_directory_tree_deeper_than_any_limit_is_emptied(hostile_sandboxes):
+    for _ in range(2):
+        attack(hostile_sandboxes, """
+            import os
+            top = os.open(".", os.O_RDONLY)
+            for i in range(3000):  # deeper than the recursion limit, longer than PATH_MAX
+                os.mkdir("d", dir_fd=top)
+                fd = os.open("d", os.O_RDONLY, dir_fd=top)
+                os.close(top)
+                top = fd
+            os.fchmod(top, 0)
+            score = 100.0
+        """, {Status.OK})
+
+
+GIVE_AWAY_SHM = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+ident = libc.shmget(0x52425831, 1 << 20, 0o1666)  # IPC_CREAT | 0666 (none at all under runc)
+if ident >= 0:
+    buf = ctypes.create_string_buffer(256)
+    libc.shmctl(ident, 2, buf)  # IPC_STAT
+    ctypes.c_uint32.from_buffer(buf, 4).value = 65534  # hand it to the server's uid
+    libc.shmctl(ident, 1, buf)  # IPC_SET
+score = 100.0
+"""
+
+
+def test_a_sysv_object_given_to_another_uid_does_not_outlive_its_sample(hostile_sandboxes, request):
+    if "runsc" not in request.node.name:
+        attack(hostile_sandboxes, GIVE_AWAY_SHM, {Status.OK})  # runc: no SysV IPC exists at all
+        return
+    # gVisor ignores the sysctls that switch SysV IPC off: the segment exists until the slot's cleanup right after
+    # the sample, so samples running at that moment may see it (README: Threat model); later ones never do.
+    report = _score(hostile_sandboxes, [GIVE_AWAY_SHM])
+    assert report.statuses == [Status.OK]
+    time.sleep(0.5)
+    later = _score(hostile_sandboxes, INNOCENT)
+    assert later.statuses == [Status.OK] * 8 and later.values == EXPECTED, later.logs
+
+
+def test_memory_spread_over_many_children_kills_samples_not_the_server(hostile_sandboxes):
+    # Each child smaller than the server: the OOM killer still takes them (oom_score_adj 1000), so innocents that
+    # are still running when it strikes keep their scores.
+    slow = [f"import time\ntime.sleep(1.0)\nscore = {i} / 8" for i in range(1, 7)]
+    hostile = textwrap.dedent("""
+        import os, time
+        for _ in range(70):
+            if os.fork() == 0:
+                try:
+                    hog = bytearray(15 << 20)
+                    for i in range(0, len(hog), 4096):
+                        hog[i] = 1
+                    time.sleep(30)
+                finally:
+                    os._exit(0)
+        score = 100.0
+    """)
+    report = _score(hostile_sandboxes, slow[:3] + [hostile] + slow[3:])
+    innocent = [0, 1, 2, 4, 5, 6]
+    assert [report.statuses[i] for i in innocent] == [Status.OK] * 6, report.errors
+    assert [report.values[i] for i in innocent] == [i / 8 for i in range(1, 7)]
+    later = _score(hostile_sandboxes, INNOCENT)
+    assert later.statuses == [Status.OK] * 8 and later.values == EXPECTED
