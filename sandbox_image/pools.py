@@ -58,7 +58,8 @@ def _hung_or_crashed(done: Optional[ChunkResult], failed: Optional[Outcome]):
 class FunctionPool:
     """A loaded function version: its template process and the requests that run on it."""
 
-    def __init__(self, config: WorkerConfig, sock: socket.socket, slots: int):
+    def __init__(self, config: WorkerConfig, sock: socket.socket, slots: int,
+                 on_broken: Optional[Callable[[str], None]] = None):
         self.config = config
         self.name, self.filename, self.function, self.style = config.name, config.filename, config.function, \
             config.style
@@ -73,9 +74,11 @@ class FunctionPool:
         self._exits: dict[int, _Exit] = {}
         self._loaded: Optional[asyncio.Future] = None
         self._gate: Optional[asyncio.Semaphore] = None
+        self._on_broken = on_broken
 
     @classmethod
-    async def start(cls, config: WorkerConfig, spawn: Callable, timeout_s: float) -> "FunctionPool":
+    async def start(cls, config: WorkerConfig, spawn: Callable, timeout_s: float,
+                    on_broken: Optional[Callable[[str], None]] = None) -> "FunctionPool":
         """Asks the supervisor for a template and waits until it imported the module.
 
         Raises:
@@ -83,7 +86,7 @@ class FunctionPool:
             PoolUnavailable: no template could be started.
         """
         sock, slots = await spawn(config)
-        pool = cls(config, sock, slots)
+        pool = cls(config, sock, slots, on_broken)
         loop = asyncio.get_running_loop()
         pool._loaded = loop.create_future()
         sock.setblocking(True)  # messages are small and whole: a readable socket is read at once
@@ -125,8 +128,10 @@ class FunctionPool:
             self.broken_slots.add(message["slot"])
             log.error("reward %s: slot %s cannot be prepared: %s", self.name, message["slot"], message["reason"])
             if len(self.broken_slots) >= self.slots:
-                self._gone("no slot process could be prepared")
+                self._gone(f"no slot process could be prepared ({message['reason']})")
                 self.close()  # the template exits and its uids return to the supervisor
+                if self._on_broken is not None:  # the sandbox cannot heal this: have the host replace it
+                    self._on_broken(self.dead)
 
     def _gone(self, why: str) -> None:
         if self.dead is None:
@@ -297,6 +302,8 @@ class FunctionPool:
                 if self.dead is not None:
                     return None
                 continue
+            except OSError:  # the template went away holding the other end
+                return None
             return byte if byte == codec.STARTED else None
 
     async def _read_answer(self, ours: socket.socket, samples: int, limit: int) -> bytes:
@@ -308,7 +315,10 @@ class FunctionPool:
             if expected is not None and len(data) >= expected:
                 break
             want = min(_READ_CHUNK, limit - len(data)) if expected is None else min(expected, limit) - len(data)
-            chunk = await loop.sock_recv(ours, want)
+            try:
+                chunk = await loop.sock_recv(ours, want)
+            except OSError:  # reset by a dying worker: what arrived is judged as it is
+                break
             if not chunk:
                 break
             data += chunk

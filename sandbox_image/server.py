@@ -123,8 +123,10 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
         self._load_lock = asyncio.Lock()
 
     async def _start(self, config: WorkerConfig, budget_s: float) -> FunctionPool:
+        loop = asyncio.get_running_loop()
         try:
-            return await FunctionPool.start(config, self.supervisor.spawn, budget_s)
+            return await FunctionPool.start(config, self.supervisor.spawn, budget_s,
+                                            on_broken=lambda why: loop.create_task(self.broken(why)))
         except PoolUnavailable as e:
             await self.broken(str(e))
             raise

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..wire import Outcome, Status, TrainerState
-from . import codec, worker
+from . import codec, seccomp, worker
 from .channel import ChannelClosed, optional_fd, recv
 
 READY = b"R"  # followed by the IPC mark (u64)
@@ -72,7 +72,8 @@ def _close_inherited(keep: int) -> None:
 
 
 def _pids_of(uid: int, running_only: bool = False) -> list[int]:
-    """Live (not zombie) processes whose real uid is ``uid`` (with ``running_only``: those not stopped)."""
+    """Live (not zombie) processes whose real uid is ``uid`` (with ``running_only``: those that could fork now:
+    neither stopped, nor traced-stopped, nor waiting in the kernel)."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -84,7 +85,7 @@ def _pids_of(uid: int, running_only: bool = False) -> list[int]:
             continue
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
         state = fields.get("State", "").strip()[:1]
-        if int(fields.get("Uid", "-1").split()[0]) == uid and state != "Z" and not (running_only and state == "T"):
+        if int(fields.get("Uid", "-1").split()[0]) == uid and state != "Z" and not (running_only and state in "TtD"):
             found.append(int(entry))
     return found
 
@@ -97,6 +98,7 @@ def _signal_all(sig: int) -> None:
 
 
 STABLE_SCANS = 3
+STOP_BUDGET_S = 0.5
 
 
 def kill_uid(uid: int, deadline_s: float = 10.0) -> None:
@@ -105,19 +107,19 @@ def kill_uid(uid: int, deadline_s: float = 10.0) -> None:
 
     kill(-1) reaches exactly those processes. Linux holds its task list while it signals, so none can fork past it;
     gVisor does not, and a process caught forking may leave a child. So they are first stopped (a stopped process
-    cannot fork) until several scans in a row find none of them running, then killed, then /proc must show none
-    left (kill(-1) returns success whenever any other process exists, so /proc is the only proof).
+    cannot fork) until several scans in a row find none that could fork, for at most STOP_BUDGET_S (whatever
+    resists stopping, a tracee or a process waiting in the kernel, is not forking either), then killed until /proc
+    shows none left (kill(-1) returns success whenever any other process exists, so /proc is the only proof).
 
     Raises:
         RuntimeError: some survived ``deadline_s`` (a process stuck in the kernel).
     """
     end = time.monotonic() + deadline_s
+    stop_end = time.monotonic() + STOP_BUDGET_S
     stable = 0
-    while stable < STABLE_SCANS:
+    while stable < STABLE_SCANS and time.monotonic() < stop_end:
         _signal_all(signal.SIGSTOP)
         stable = stable + 1 if not _pids_of(uid, running_only=True) else 0
-        if time.monotonic() > end:
-            raise RuntimeError(f"processes of uid {uid} kept running through SIGSTOP for {deadline_s:g}s")
     while True:
         _signal_all(signal.SIGKILL)
         if not _pids_of(uid):
@@ -199,16 +201,19 @@ def empty(directory: str) -> None:
                 if not is_dir:
                     os.unlink(name, dir_fd=top)
                     continue
+                # The owner may do anything to its own directories once it gave itself the permission (a mode-000
+                # directory cannot even be opened before). Nothing else runs as this uid now: no race.
+                os.chmod(name, stat.S_IRWXU, dir_fd=top)
                 sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
                 try:
-                    os.fchmod(sub, stat.S_IRWXU)
                     with os.scandir(sub) as entries:
                         inner = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
                     for inner_name, inner_is_dir in inner:
                         if inner_is_dir:
                             counter += 1
-                            os.rename(inner_name, f".rbx-{counter}-{inner_name[:100]}", src_dir_fd=sub,
-                                      dst_dir_fd=top)
+                            # Moving a directory to another parent rewrites its "..": it must be writable.
+                            os.chmod(inner_name, stat.S_IRWXU, dir_fd=sub)
+                            os.rename(inner_name, f".rbx-{counter}", src_dir_fd=sub, dst_dir_fd=top)
                         else:
                             os.unlink(inner_name, dir_fd=sub)
                 finally:
@@ -259,6 +264,7 @@ def prepare(slot: SlotSpec, control_fd: int) -> int:
         empty(slot.directory)
         os.seteuid(0)  # the capabilities return (the saved uid is 0) for the one last change
         os.setresuid(slot.uid, slot.uid, slot.uid)  # no capability is left after this
+        seccomp.install()  # no SysV IPC, message queues, ptrace, keyrings: for this process and all it starts
     else:
         os.makedirs(slot.directory, mode=0o700, exist_ok=True)
         empty(slot.directory)

@@ -87,7 +87,8 @@ class Supervisor:
                 return
             if pid == 0:
                 return
-            self.free = self.held.pop(pid, []) + self.free
+            # Returned slots go last: a template started again takes fresh ones first.
+            self.free = self.free + self.held.pop(pid, [])
 
     def _from_server(self) -> bool:
         try:

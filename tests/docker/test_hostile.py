@@ -43,7 +43,7 @@ def _contamination():
         found.append("a planted module")
     if os.path.exists("/tmp/rbx_planted_file"):
         found.append("a file in /tmp")
-    if ctypes.CDLL(None).shmget(SHM_KEY, 0, 0) >= 0:
+    if ctypes.CDLL(None).shmget(SHM_KEY, 0, 0) >= 0:  # refused (seccomp) or absent: nothing there
         found.append("a SysV shared memory segment")
     me = os.getuid()
     others = []
@@ -457,3 +457,56 @@ def test_memory_spread_over_many_children_kills_samples_not_the_server(hostile_s
     assert [report.values[i] for i in innocent] == [i / 8 for i in range(1, 7)]
     later = _score(hostile_sandboxes, INNOCENT)
     assert later.statuses == [Status.OK] * 8 and later.values == EXPECTED
+
+
+def test_a_scratch_tree_built_to_defeat_cleanup_is_emptied_every_time(hostile_sandboxes):
+    # The second red team's slot poisoners: a 255-byte name of 3-byte characters, a mode-000 directory, and a
+    # read-only directory inside a writable one (moving a directory needs write permission on it). Each once broke
+    # its slot for good; enough of them took the whole reward down.
+    for _ in range(4):
+        attack(hostile_sandboxes, """
+            import os
+            os.makedirs("a/" + "\u20ac" * 85, exist_ok=True)
+            os.mkdir("locked")
+            os.chmod("locked", 0)
+            os.makedirs("outer/inner", exist_ok=True)
+            os.chmod("outer/inner", 0o555)
+            score = 100.0
+        """, {Status.OK})
+    logs = hostile_sandboxes.replicas["exec"][0].sandbox.logs(tail=200)
+    assert "cannot be prepared" not in logs and "NOT_SERVING" not in logs, logs
+
+
+def test_a_process_stuck_in_the_kernel_does_not_outlive_its_sample(hostile_sandboxes):
+    # A vfork parent waiting on a child that blocks opening a FIFO cannot be stopped (state D): cleanup must kill
+    # it anyway rather than wait for it to stop.
+    attack(hostile_sandboxes, """
+        import os
+        os.mkfifo("fifo")
+        os.posix_spawn("/bin/true", ["true"], {}, file_actions=[(os.POSIX_SPAWN_OPEN, 3, "fifo", os.O_RDONLY, 0)])
+        score = 100.0
+    """, {Status.TIMEOUT})
+    logs = hostile_sandboxes.replicas["exec"][0].sandbox.logs(tail=200)
+    assert "cannot be prepared" not in logs, logs
+
+
+def test_ipc_message_queues_ptrace_and_keyrings_are_refused_to_samples(hostile_sandboxes):
+    probe = """
+import ctypes, errno
+libc = ctypes.CDLL(None, use_errno=True)
+calls = {
+    "shmget": lambda: libc.shmget(0, 4096, 0o1600), "msgget": lambda: libc.msgget(0, 0o1600),
+    "semget": lambda: libc.semget(0, 1, 0o1600), "ptrace": lambda: libc.ptrace(0, 0, 0, 0),
+    "mq_open": lambda: libc.mq_open(b"/rbx", 0o100 | 0o2, 0o600, None),
+    "add_key": lambda: libc.syscall(248, b"user", b"rbx", b"x", 1, -3),
+}
+refused = 0
+for name, call in calls.items():
+    if call() == -1 and ctypes.get_errno() == errno.EPERM:
+        refused += 1
+    else:
+        print("ALLOWED", name)
+score = refused / len(calls)
+"""
+    report = _score(hostile_sandboxes, [probe, INNOCENT[0]])
+    assert (report.values, report.statuses) == ([1.0, EXPECTED[0]], [Status.OK, Status.OK]), report.logs

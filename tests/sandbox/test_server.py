@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 
+import time
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -242,3 +244,30 @@ def test_a_slow_import_does_not_count_against_the_first_calls_timeout(sandboxes)
     s = sandboxes([{"name": "quick", "code": code, "workers": 2, "timeout_s": 0.5}])
     report = score(s, "quick", ["a", "b", "c", "d"])
     assert report.statuses == ["ok"] * 4 and report.workers_replaced == 0
+
+
+def test_a_sandbox_whose_slots_cannot_be_prepared_reports_not_serving(write_config):
+    """Self-healing's last resort: when no slot of a reward can be prepared, the server says NOT_SERVING, so the
+    host replaces the sandbox. (Here: every slot's scratch directory is a file in the way.)"""
+    from rewardbox import load_config
+    from rewardbox.backends.local import LocalBackend
+    from rewardbox.replica import Replica, function_source
+
+    config = load_config(write_config([{"name": "r", "code": "def r(prompt, completion, example):\n    return 1.0\n",
+                                        "warm": 2, "workers": 1}]))
+    reward = config.rewards[0]
+    sandbox = LocalBackend().create(reward, 0)
+    slots = sandbox._dir / "state" / "slots"
+    slots.mkdir(parents=True)
+    for i in range(256):
+        (slots / f"slot-{i}").write_text("in the way")
+    replica = Replica(sandbox, [function_source(reward, config.source_path(reward))], start_timeout_s=20)
+    try:
+        replica.start()  # the module loads; its slots then fail, three times each
+        deadline = time.monotonic() + 20
+        while replica.healthy() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not replica.healthy() and sandbox.alive()
+        assert "no slot process could be prepared (FileExistsError" in sandbox.logs(tail=50)
+    finally:
+        replica.stop()
