@@ -33,11 +33,14 @@ def main(argv: Optional[list] = None) -> int:
                                                           "tmpfs at /tmp/slot-<uid>); none: the local backend")
     parser.add_argument("--sample-nproc", type=int, default=None, help="RLIMIT_NPROC of each slot uid")
     parser.add_argument("--sample-memory", type=int, default=None, help="RLIMIT_AS of each slot process, bytes")
+    parser.add_argument("--atomic-kill", action="store_true", help="the kernel is Linux's (runc, crun, kata): "
+                        "kill(-1) is atomic against fork, so cleaning up a slot needs no stop phase (not gVisor)")
     parser.add_argument("--default-warm", type=int, default=None, help="warm processes of a reward that sets none")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s sandbox %(levelname)s %(message)s")
     if args.slot_uids:
-        pool = supervisor_module.SlotPool(uids=supervisor_module.parse_uids(args.slot_uids))
+        pool = supervisor_module.SlotPool(uids=supervisor_module.parse_uids(args.slot_uids),
+                                         atomic_kill=args.atomic_kill)
     else:
         pool = supervisor_module.local_pool(os.environ.get("REWARDBOX_STATE_DIR"))
     pid, sock = supervisor_module.start(pool)

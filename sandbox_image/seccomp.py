@@ -79,16 +79,27 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
 
+_prepared: dict = {}
+
+
+def prepare() -> None:
+    """Builds the filter ahead of time (in the template, once, before it forks), so a slot only makes the calls."""
+    if not _prepared:
+        code = program(platform.machine())
+        buffer = ctypes.create_string_buffer(code, len(code))
+        _prepared["fprog"] = _SockFprog(len(code) // 8, ctypes.cast(buffer, ctypes.c_void_p))
+        _prepared["buffer"] = buffer  # kept alive: fprog points into it
+        _prepared["libc"] = ctypes.CDLL(None, use_errno=True)
+
+
 def install() -> None:
     """Installs the filter on this process (and, through fork, on everything it starts).
 
     Raises:
         OSError: the kernel refused it; KeyError: no table for this machine.
     """
-    code = program(platform.machine())
-    buffer = ctypes.create_string_buffer(code, len(code))
-    fprog = _SockFprog(len(code) // 8, ctypes.cast(buffer, ctypes.c_void_p))
-    libc = ctypes.CDLL(None, use_errno=True)
+    prepare()
+    libc, fprog = _prepared["libc"], _prepared["fprog"]
     if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
     if libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) != 0:

@@ -56,6 +56,7 @@ class SlotSpec:
     nproc: Optional[int] = None  # RLIMIT_NPROC for its uid
     memory: Optional[int] = None  # RLIMIT_AS of each of its processes, bytes
     ipc_mark: int = 0  # gVisor: the last SysV IPC id this slot's cleanup saw
+    atomic_kill: bool = False  # the kernel signals kill(-1) atomically against fork (Linux; not gVisor)
 
 
 def _close_inherited(keep: int) -> None:
@@ -73,19 +74,27 @@ def _close_inherited(keep: int) -> None:
 
 def _pids_of(uid: int, running_only: bool = False) -> list[int]:
     """Live (not zombie) processes whose real uid is ``uid`` (with ``running_only``: those that could fork now:
-    neither stopped, nor traced-stopped, nor waiting in the kernel)."""
+    neither stopped, nor traced-stopped, nor waiting in the kernel). Reads each /proc/<pid>/status as bytes and
+    looks at two lines only: it runs before every sample."""
     found = []
+    wanted = str(uid).encode()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/status") as f:
-                status = f.read()
+            fd = os.open(f"/proc/{entry}/status", os.O_RDONLY)
+            try:
+                status = os.read(fd, 8192)
+            finally:
+                os.close(fd)
         except OSError:
             continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        state = fields.get("State", "").strip()[:1]
-        if int(fields.get("Uid", "-1").split()[0]) == uid and state != "Z" and not (running_only and state in "TtD"):
+        at = status.find(b"\nUid:\t")
+        if at < 0 or status[at + 6:].split(b"\t", 1)[0] != wanted:
+            continue
+        at = status.find(b"\nState:\t")
+        state = status[at + 8:at + 9] if at >= 0 else b"?"
+        if state != b"Z" and not (running_only and state in b"TtD"):
             found.append(int(entry))
     return found
 
@@ -101,15 +110,16 @@ STABLE_SCANS = 3
 STOP_BUDGET_S = 0.5
 
 
-def kill_uid(uid: int, deadline_s: float = 10.0) -> None:
-    """Kills every process of ``uid``; called as (real R, effective ``uid``, saved 0), which those processes can
-    neither signal nor trace, so nothing they do can stop it.
+def kill_uid(uid: int, deadline_s: float = 10.0, atomic: bool = False) -> None:
+    """Kills every process whose real uid is ``uid``, from a process whose real uid differs (the kernel then lets
+    no process of ``uid`` signal it) but whose effective uid is ``uid`` (so kill(-1) reaches all of them).
 
-    kill(-1) reaches exactly those processes. Linux holds its task list while it signals, so none can fork past it;
-    gVisor does not, and a process caught forking may leave a child. So they are first stopped (a stopped process
-    cannot fork) until several scans in a row find none that could fork, for at most STOP_BUDGET_S (whatever
-    resists stopping, a tracee or a process waiting in the kernel, is not forking either), then killed until /proc
-    shows none left (kill(-1) returns success whenever any other process exists, so /proc is the only proof).
+    kill(-1) reaches exactly those processes. Linux (``atomic``) holds its task list while it signals, so none can
+    fork past it. gVisor does not, and a process caught forking may leave a child: there they are first stopped
+    (a stopped process cannot fork) until several scans in a row find none that could fork, for at most
+    STOP_BUDGET_S (whatever resists stopping, a tracee or a process waiting in the kernel, is not forking either).
+    Then they are killed until /proc shows none left (kill(-1) returns success whenever any other process exists,
+    so /proc is the only proof).
 
     Raises:
         RuntimeError: some survived ``deadline_s`` (a process stuck in the kernel).
@@ -117,7 +127,7 @@ def kill_uid(uid: int, deadline_s: float = 10.0) -> None:
     end = time.monotonic() + deadline_s
     stop_end = time.monotonic() + STOP_BUDGET_S
     stable = 0
-    while stable < STABLE_SCANS and time.monotonic() < stop_end:
+    while not atomic and stable < STABLE_SCANS and time.monotonic() < stop_end:
         _signal_all(signal.SIGSTOP)
         stable = stable + 1 if not _pids_of(uid, running_only=True) else 0
     while True:
@@ -259,7 +269,7 @@ def prepare(slot: SlotSpec, control_fd: int) -> int:
         os.setresgid(slot.uid, slot.uid, slot.uid)
         # Clean up after the uid's earlier processes while they can neither signal nor trace this one.
         os.setresuid(slot.uid | REAPER_UID_BIT, slot.uid, 0)
-        kill_uid(slot.uid)
+        kill_uid(slot.uid, atomic=slot.atomic_kill)
         mark = remove_ipc(slot.uid, mark)
         empty(slot.directory)
         os.seteuid(0)  # the capabilities return (the saved uid is 0) for the one last change

@@ -43,6 +43,7 @@ class SlotPool:
 
     uids: tuple = ()  # empty: the local backend
     root: str = ""
+    atomic_kill: bool = False  # see SlotSpec
 
     def specs(self) -> list:
         if self.uids:
@@ -60,6 +61,7 @@ class Supervisor:
     def __init__(self, server: socket.socket, pool: SlotPool):
         self.server = server
         self.free = pool.specs()
+        self.atomic_kill = pool.atomic_kill
         self.held: dict[int, list] = {}  # template pid -> its slots
         self.selector = selectors.DefaultSelector()
 
@@ -104,7 +106,8 @@ class Supervisor:
             send(self.server, {"op": "template", "error": "no free slot uid is left in this sandbox"})
             return True
         taken, self.free = self.free[:wanted], self.free[wanted:]
-        specs = [SlotSpec(i, uid, directory, nproc, memory) for i, (uid, directory) in enumerate(taken)]
+        specs = [SlotSpec(i, uid, directory, nproc, memory, atomic_kill=self.atomic_kill)
+                 for i, (uid, directory) in enumerate(taken)]
         server_end, template_end = pair()
         pid = os.fork()
         if pid == 0:

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from . import slot as slots
+from . import seccomp, slot as slots
 from . import worker
 from .channel import ChannelClosed, optional_fd, pair, recv, send
 from .records import WorkerConfig
@@ -71,6 +71,8 @@ class Template:
         send(self.server, {"op": "loaded", "info": {
             "is_async": info.is_async, "accepted_keywords": list(info.accepted_keywords),
             "accepts_var_keywords": info.accepts_var_keywords, "signature": info.signature}})
+        if any(s.spec.uid is not None for s in self.slots):
+            seccomp.prepare()
         gc.freeze()  # the module's objects stay shared with every fork instead of being copied on first touch
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_w, False)
@@ -89,13 +91,28 @@ class Template:
                 else:
                     self._ready(key.data)
             self._reap()
+            self._dispatch()  # requests first: a fork costs the template about a millisecond
             self._respawn_due()
-            self._dispatch()
         self._kill_all()
 
     def _next_timer(self) -> Optional[float]:
+        if not self._may_spawn():
+            return None  # what ends the wait (a slot exits or gets ready, a request arrives) wakes the selector
         due = [s.respawn_at for s in self.slots if not s.pid and not s.broken]
         return max(0.0, min(due) - time.monotonic()) if due else None
+
+    def _may_spawn(self) -> bool:
+        """Whether to fork slot processes now. With isolation: sample a fork (about a millisecond of the template's
+        time and as much again in the child) is put off while samples run on warm processes, unless requests
+        wait for a process: the warm ones serve the batch without competing for the CPU, and are replaced
+        when it is done."""
+        if self.closing:
+            return False
+        if self.reuse:
+            return True
+        if self.queue:  # as many processes on the way as requests wait
+            return sum(1 for s in self.slots if s.pid and not s.ready and not s.requests) < len(self.queue)
+        return not any(s.requests for s in self.slots)
 
     # -- slot processes ------------------------------------------------------------------------------------------
     def _spawn(self, s: _Slot) -> None:
@@ -173,12 +190,14 @@ class Template:
         s.respawn_at = time.monotonic() + (RESPAWN_BACKOFF_S * s.setup_failures if s.setup_failures else 0)
 
     def _respawn_due(self) -> None:
-        if self.closing:
+        """Forks one slot process that is due; the next waits for the next turn of the loop (which does not wait
+        then), so requests that arrive meanwhile are dispatched between forks."""
+        if not self._may_spawn():
             return
         now = time.monotonic()
-        for s in self.slots:
-            if not s.pid and not s.broken and s.respawn_at <= now:
-                self._spawn(s)
+        s = next((s for s in self.slots if not s.pid and not s.broken and s.respawn_at <= now), None)
+        if s is not None:
+            self._spawn(s)
 
     def _kill_all(self) -> None:
         for s in self.slots:

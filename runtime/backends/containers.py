@@ -75,6 +75,8 @@ class ContainerSpec:
         if self.slot_uids:
             first, count = self.slot_uids
             command += ["--slot-uids", f"{first}-{first + count - 1}"]
+            if not is_gvisor(self.runtime):  # a Linux kernel: kill(-1) cannot race fork (see slot.kill_uid)
+                command.append("--atomic-kill")
         if self.sample_nproc:
             command += ["--sample-nproc", str(self.sample_nproc)]
         if self.sample_memory:
