@@ -4,7 +4,7 @@
   ``rewardbox.wire.pb.reward_pb2`` / ``reward_pb2_grpc`` (``python -m rewardbox.wire.protogen`` regenerates them).
 - :class:`Status`: the one status enum of a scored sample, and :class:`Outcome`: value, status and error.
 - The shared constants: message sizes, deadline margins, per-reward defaults.
-- :class:`TrainerState` and its conversion to and from the wire.
+- :class:`TrainerState` and its conversion to and from the wire; dataset columns on the wire (``columns``).
 
 Both sides import this package; neither imports the other's internals. This ``__init__`` and the modules it
 imports use the standard library only, because the sandbox's worker module (preloaded into its fork server)
@@ -25,8 +25,9 @@ from .constants import (
     VERSION,
     sandbox_slots,
 )
+from .columns import decode_columns, encode_columns, example_of, json_problem, stringify
 from .status import Outcome, Status
-from .trainer_state import TrainerState, trainer_state_from_wire, trainer_state_to_wire
+from .trainer_state import TrainerState, trainer_state_from_dict, trainer_state_from_wire, trainer_state_to_wire
 
 __all__ = [
     "DEFAULT_CONCURRENCY",
@@ -43,7 +44,13 @@ __all__ = [
     "VERSION",
     "Status",
     "TrainerState",
-    "trainer_state_from_wire",
+    "decode_columns",
+    "encode_columns",
+    "example_of",
+    "json_problem",
     "sandbox_slots",
+    "stringify",
+    "trainer_state_from_dict",
+    "trainer_state_from_wire",
     "trainer_state_to_wire",
 ]

@@ -18,7 +18,9 @@ HARD_TIMEOUT_MARGIN_S = 2.0
 
 # Per-reward defaults: the config's defaults, and what the server uses when a Load request leaves a field at 0.
 DEFAULT_WORKERS = 2
-DEFAULT_CONCURRENCY = 16
+# Async functions are mostly I/O-bound (a judge over HTTP): each worker keeps as many calls in flight as TRL's own
+# asyncio.gather would for a 128-completion batch.
+DEFAULT_CONCURRENCY = 128
 DEFAULT_MAX_LOG_BYTES = 64 * 1024
 DEFAULT_WARM = 32
 # Under gVisor each process costs more (about 12 MiB and 10 host threads on its ptrace platform, measured).

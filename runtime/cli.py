@@ -135,6 +135,10 @@ def score(
         except ValueError as e:
             raise RewardboxError(f"{samples}: {e}") from None
         with RewardSandboxes(cfg) as sandboxes:
+            keys = list(dict.fromkeys(k for row in rows_in for k in row
+                                      if k not in ("prompt", "completion", "completion_ids")))
+            sandboxes.check_columns(keys, {k: [row.get(k) for row in rows_in] for k in keys}, source=str(samples),
+                                    rows=True)
             reports = asyncio.run(_score_all(sandboxes.rewards, wire, batch_size))
             rewards = sandboxes.rewards
     except RewardboxError as e:

@@ -70,6 +70,7 @@ class Replica:
         self._connection: Optional[Connection] = None
         self._recover_lock = threading.Lock()
         self._generation = 0  # bumps on every recovery, so concurrent failures recover once
+        self.infos: dict[str, pb.FunctionInfo] = {}  # what the sandbox said of each loaded function
 
     @property
     def name(self) -> str:
@@ -122,6 +123,7 @@ class Replica:
         by_name = {f.name: f for f in self.functions}
         by_name.update({f.name: f for f in functions})
         self.functions = list(by_name.values())
+        self.infos.update({info.name: info for info in reply.functions})
         return reply
 
     def describe(self, timeout_s: float = 10.0) -> pb.DescribeResponse:

@@ -12,7 +12,7 @@ import logging
 from typing import Any, Callable, Optional, Sequence
 
 from .client import RewardClient, ScoreReport
-from .samples import TRL_RESERVED, build_samples
+from .samples import TRL_RESERVED, build_samples, column_problem
 from .wire import Status, trainer_state_to_wire
 from .wire.pb import reward_pb2 as pb
 
@@ -29,10 +29,14 @@ class SandboxedReward:
     (RPC attempts for the batch), ``restarts_total`` (sandbox restarts so far) and ``workers_replaced``; and each
     completion's status (``ok``, or the status and the error's last line) as the completions-table column
     ``<name>_status`` through TRL's ``log_extra``.
+
+    Raises ValueError only for input no retry can fix: a batch-style reward given a column that JSON cannot carry
+    unchanged (``RewardSandboxes.check_columns`` finds that before training).
     """
 
-    def __init__(self, client: RewardClient):
+    def __init__(self, client: RewardClient, info: Optional[pb.FunctionInfo] = None):
         self.client = client
+        self.info = info  # what the sandbox said of the function (its signature, the keywords it takes)
         self.__name__ = client.reward.name
         self.__qualname__ = self.__name__
         self.listeners: list[Callable[[ScoreReport, Optional[pb.TrainerState]], None]] = []
@@ -41,6 +45,10 @@ class SandboxedReward:
     @property
     def name(self) -> str:
         return self.__name__
+
+    @property
+    def style(self) -> str:
+        return self.client.reward.style
 
     @property
     def weight(self) -> float:
@@ -53,13 +61,21 @@ class SandboxedReward:
         self,
         prompts: Sequence[Any],
         completions: Sequence[Any],
+        completion_ids: Optional[Sequence[Sequence[int]]] = None,
         trainer_state: Any = None,
         log_metric: Optional[Callable[[str, float], None]] = None,
         log_extra: Optional[Callable[[str, list], None]] = None,
         **kwargs: Any,
     ) -> list:
         columns = {k: v for k, v in kwargs.items() if k not in TRL_RESERVED}
-        samples = build_samples(prompts, completions, columns)
+        if self.style == "batch":
+            problem = column_problem(columns)
+            if problem:  # the same every step: found at start-up by check_columns where the dataset is known
+                raise ValueError(f"reward {self.__name__!r}: {problem}")
+        if completion_ids is not None and self.info is not None and \
+                "completion_ids" not in self.info.accepted_keywords:
+            completion_ids = None  # the function does not take them: they would only fill the request
+        samples = build_samples(prompts, completions, columns, completion_ids)
         state = trainer_state_to_wire(trainer_state)
         report = await self.client.score(samples, state)
         self.last_report = report

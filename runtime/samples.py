@@ -1,24 +1,28 @@
 """Turns TRL's reward keyword arguments (or rows of a JSONL file) into wire samples.
 
-Keys of the sample-style ``example`` dict: every dataset column except ``prompt`` and ``completion``, each value a
-string: strings unchanged, anything else ``str(value)`` so that ``ast.literal_eval``, ``float`` or ``int`` recovers
-it. For conversational data (message lists), ``prompt`` is the content of the prompt's last message and
+Every dataset column except ``prompt`` and ``completion`` travels with each sample, in the dataset's column order
+(see :mod:`rewardbox.wire.columns`): batch-style functions get the values as the dataset has them, sample-style
+functions get them in ``example`` as strings (strings unchanged, anything else ``str(value)``, so ``None`` is
+``'None'``). For conversational data (message lists), ``prompt`` is the content of the prompt's last message and
 ``completion`` the text of the completion's messages; the full lists reach functions that declare the keywords
 ``prompt_messages`` / ``completion_messages`` (and batch-style functions get the lists as ``prompts`` /
-``completions``, as in TRL).
+``completions``, as in TRL). ``completion_ids`` travel when the trainer passes them.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
+from .wire import encode_columns, json_problem
 from .wire.pb import reward_pb2 as pb
 
 # Keyword arguments TRL passes that are not dataset columns.
 TRL_RESERVED = frozenset(
     {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments"}
 )
+# What TRL passes a batch-style function besides the columns (and its own objects, which stay on the host).
+TRL_BATCH_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state")
 
 
 def _content_text(content: Any) -> str:
@@ -41,19 +45,27 @@ def as_text(value: Any, *, last_only: bool) -> str:
     return "".join(_content_text(m.get("content")) for m in messages)
 
 
-def stringify(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    if hasattr(value, "tolist"):  # numpy / torch values print differently from their Python equivalents
-        value = value.tolist()
-    return str(value)
+def column_problem(columns: dict[str, Sequence[Any]]) -> Optional[str]:
+    """Why a batch-style function could not get these columns exactly as the dataset has them (naming the column,
+    the sample and the type), or None."""
+    for name, values in columns.items():
+        for i, value in enumerate(values):
+            problem = json_problem(value)
+            if problem is not None:
+                return (f"column {name!r} holds a {problem} (sample {i}), which cannot reach a sandbox unchanged: "
+                        "batch-style rewards get columns as the dataset has them, and only what JSON carries "
+                        "(str, int, float, bool, None, lists and dicts of them) travels exactly. Convert the column "
+                        "in the dataset (e.g. bytes to base64 text, a tensor to a list), drop it, or use a "
+                        "sample-style reward (it gets every column as a string)")
+    return None
 
 
-def build_samples(prompts: Sequence[Any], completions: Sequence[Any], columns: dict[str, Sequence[Any]]) -> list:
-    """One pb.Sample per completion, in order.
+def build_samples(prompts: Sequence[Any], completions: Sequence[Any], columns: dict[str, Sequence[Any]],
+                  completion_ids: Optional[Sequence[Sequence[int]]] = None) -> list:
+    """One pb.Sample per completion, in order; ``columns`` in the dataset's column order.
 
     Raises:
-        ValueError: a column's length differs from the number of completions (names the column).
+        ValueError: a column's (or completion_ids') length differs from the number of completions (names it).
     """
     n = len(completions)
     if len(prompts) != n:
@@ -61,23 +73,29 @@ def build_samples(prompts: Sequence[Any], completions: Sequence[Any], columns: d
     for key, values in columns.items():
         if len(values) != n:
             raise ValueError(f"column {key!r} has {len(values)} values for {n} completions")
+    if completion_ids is not None and len(completion_ids) != n:
+        raise ValueError(f"got {len(completion_ids)} completion_ids for {n} completions")
     samples = []
     for i in range(n):
         prompt, completion = prompts[i], completions[i]
-        samples.append(
-            pb.Sample(
-                prompt=as_text(prompt, last_only=True),
-                completion=as_text(completion, last_only=False),
-                example={k: stringify(v[i]) for k, v in columns.items()},
-                prompt_messages_json=json.dumps(prompt, default=str) if is_messages(prompt) else "",
-                completion_messages_json=json.dumps(completion, default=str) if is_messages(completion) else "",
-            )
+        sample = pb.Sample(
+            prompt=as_text(prompt, last_only=True),
+            completion=as_text(completion, last_only=False),
+            columns_json=encode_columns(columns, i),
+            prompt_messages_json=json.dumps(prompt, default=str) if is_messages(prompt) else "",
+            completion_messages_json=json.dumps(completion, default=str) if is_messages(completion) else "",
         )
+        if completion_ids is not None:
+            ids = completion_ids[i]
+            sample.completion_ids.extend(ids.tolist() if hasattr(ids, "tolist") else ids)
+            sample.has_completion_ids = True
+        samples.append(sample)
     return samples
 
 
 def samples_from_rows(rows: Iterable[dict]) -> list:
-    """Samples from JSONL rows with ``prompt`` and ``completion`` keys; other keys become columns.
+    """Samples from JSONL rows with ``prompt`` and ``completion`` keys (and optionally ``completion_ids``); other
+    keys become columns.
 
     Raises:
         ValueError: a row lacks ``prompt`` or ``completion`` (names the row).
@@ -89,6 +107,7 @@ def samples_from_rows(rows: Iterable[dict]) -> list:
                 raise ValueError(f"sample {i} has no {key!r} key (keys: {', '.join(row) or 'none'})")
     keys: list[str] = []
     for row in rows:
-        keys.extend(k for k in row if k not in ("prompt", "completion") and k not in keys)
-    columns = {k: [row.get(k, "") for row in rows] for k in keys}
-    return build_samples([r["prompt"] for r in rows], [r["completion"] for r in rows], columns)
+        keys.extend(k for k in row if k not in ("prompt", "completion", "completion_ids") and k not in keys)
+    columns = {k: [row.get(k) for row in rows] for k in keys}  # a missing key is None, as in a dataset
+    ids = [row.get("completion_ids") or [] for row in rows] if any("completion_ids" in r for r in rows) else None
+    return build_samples([r["prompt"] for r in rows], [r["completion"] for r in rows], columns, ids)

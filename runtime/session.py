@@ -13,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import Awaitable, Callable, Optional
+from typing import Awaitable, Callable, Optional, Sequence
 
 from .backends import Backend, create_backend
 from .client import RewardClient
-from .errors import RewardboxError, RewardLoadError
+from .errors import ConfigError, RewardboxError, RewardLoadError
 from .replica import Replica, function_source
 from .reward import SandboxedReward
+from .samples import TRL_BATCH_KEYWORDS, column_problem
 from .spec import RewardboxConfig
 from .transport import GrpcTransport, Transport
 
@@ -93,10 +94,38 @@ class RewardSandboxes:
             self.stop()
             raise
         self.rewards = [
-            SandboxedReward(RewardClient(r, self.replicas[r.name], settings, sleep=self._sleep))
+            SandboxedReward(RewardClient(r, self.replicas[r.name], settings, sleep=self._sleep),
+                            self.replicas[r.name][0].infos.get(r.name))
             for r in self.config.rewards
         ]
         return self.rewards
+
+    def check_columns(self, columns: Sequence[str], values: Optional[dict] = None, source: str = "the dataset",
+                      rows: bool = False) -> None:
+        """Checks, before training, that TRL will pass every reward what it requires: each batch-style parameter
+        without a default is a keyword TRL passes or one of ``columns``, and every column a batch-style reward
+        gets can reach its sandbox unchanged (``values``: one value per column, e.g. the first row; with
+        ``rows``, a list of values per column).
+
+        Raises:
+            ConfigError: naming the reward, its file and line, the parameter or column, and the fix.
+        """
+        passed = set(TRL_BATCH_KEYWORDS) | set(columns)
+        for reward in self.rewards:
+            info = reward.info
+            if info is None or reward.style != "batch":
+                continue
+            where = f"reward {reward.name!r} ({info.filename}, {info.signature})"
+            missing = [name for name in info.required_keywords if name not in passed]
+            if missing:
+                raise ConfigError(
+                    f"{where}: parameter {missing[0]!r} has no default, but TRL passes no such keyword: {source} "
+                    f"has the columns {', '.join(columns) or 'none'}, and TRL adds {', '.join(TRL_BATCH_KEYWORDS)}. "
+                    f"Rename the parameter to one of them, add the column, or give it a default.")
+            if values is not None:
+                problem = column_problem({k: (v if rows else [v]) for k, v in values.items() if k in columns})
+                if problem:
+                    raise ConfigError(f"{where}: {source}: {problem}")
 
     def reload(self, name: str) -> None:
         """Re-reads a reward's source file and loads it into all its replicas, keeping the old version on failure.

@@ -47,16 +47,18 @@ def encode_request(batch: SampleBatch, timeout_s: float, trainer_state: Optional
         "trainer_state": trainer_state,
         "prompts": batch.prompts,
         "completions": batch.completions,
-        "examples": batch.examples,
+        "columns_json": batch.columns_json,
         "prompt_messages_json": batch.prompt_messages_json,
         "completion_messages_json": batch.completion_messages_json,
+        "completion_ids": batch.completion_ids,
     }, separators=(",", ":")).encode()
 
 
 def decode_request(data: bytes) -> tuple[SampleBatch, float, Optional[dict]]:
     request = json.loads(data)
-    batch = SampleBatch(request["prompts"], request["completions"], request["examples"],
-                        request["prompt_messages_json"], request["completion_messages_json"])
+    batch = SampleBatch(request["prompts"], request["completions"], request["columns_json"],
+                        request["prompt_messages_json"], request["completion_messages_json"],
+                        request["completion_ids"])
     return batch, float(request["timeout_s"]), request["trainer_state"]
 
 

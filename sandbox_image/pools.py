@@ -117,7 +117,8 @@ class FunctionPool:
         if op == "loaded" and self._loaded is not None and not self._loaded.done():
             info = message["info"]
             self._loaded.set_result(FunctionInfo(bool(info["is_async"]), tuple(info["accepted_keywords"]),
-                                                 bool(info["accepts_var_keywords"]), str(info["signature"])))
+                                                 bool(info["accepts_var_keywords"]), str(info["signature"]),
+                                                 tuple(info["required_keywords"])))
         elif op == "load_error" and self._loaded is not None and not self._loaded.done():
             self._loaded.set_exception(LoadError(message["message"]))
         elif op == "exited":
@@ -207,9 +208,7 @@ class FunctionPool:
         together: Optional[ChunkResult] = None
         again: Optional[Outcome] = failed
         if innocent:
-            subset = SampleBatch(*([column[i] for i in innocent] for column in (
-                batch.prompts, batch.completions, batch.examples, batch.prompt_messages_json,
-                batch.completion_messages_json)))
+            subset = batch.take(innocent)
             together, again = _hung_or_crashed(*await self._request(subset, timeout_s, state))
         position = {i: k for k, i in enumerate(innocent)}
         for i, (_, single_failed) in enumerate(singles):

@@ -9,7 +9,7 @@ worker module that uses them is preloaded into the fork server.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
 
 from ..wire import Outcome
 
@@ -38,16 +38,25 @@ class SampleBatch:
 
     prompts: list
     completions: list
-    examples: list  # per sample: column -> string
+    columns_json: list  # per sample: the dataset's other columns as one JSON object (rewardbox.wire.columns)
     prompt_messages_json: list  # per sample: the message list as JSON for conversational data, else ""
     completion_messages_json: list
+    completion_ids: Optional[list] = None  # per sample: the token ids, when the trainer passed them
 
     def __len__(self) -> int:
         return len(self.completions)
 
+    def take(self, indices: Sequence[int]) -> "SampleBatch":
+        """The samples at ``indices``, in that order."""
+        def pick(column: Optional[list]) -> Optional[list]:
+            return None if column is None else [column[i] for i in indices]
+
+        return SampleBatch(pick(self.prompts), pick(self.completions), pick(self.columns_json),
+                           pick(self.prompt_messages_json), pick(self.completion_messages_json),
+                           pick(self.completion_ids))
+
     def slice(self, start: int, stop: int) -> "SampleBatch":
-        return SampleBatch(self.prompts[start:stop], self.completions[start:stop], self.examples[start:stop],
-                           self.prompt_messages_json[start:stop], self.completion_messages_json[start:stop])
+        return self.take(range(start, min(stop, len(self))))
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,7 @@ class FunctionInfo:
     accepted_keywords: tuple = ()  # the optional keywords it declares (trainer_state, prompt_messages, ...)
     accepts_var_keywords: bool = False
     signature: str = ""
+    required_keywords: tuple = ()  # batch style: parameters without a default that must be dataset columns
 
 
 @dataclass

@@ -61,6 +61,7 @@ def _info(fp: FunctionPool) -> pb.FunctionInfo:
         source_sha256=hashlib.sha256(fp.config.source.encode()).hexdigest(),
         accepted_keywords=list(fp.info.accepted_keywords),
         accepts_var_keywords=fp.info.accepts_var_keywords,
+        required_keywords=list(fp.info.required_keywords),
     )
 
 
@@ -198,9 +199,13 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
         batch = SampleBatch(
             prompts=[s.prompt for s in samples],
             completions=[s.completion for s in samples],
-            examples=[dict(s.example) for s in samples],
+            columns_json=[s.columns_json for s in samples],
             prompt_messages_json=[s.prompt_messages_json for s in samples],
             completion_messages_json=[s.completion_messages_json for s in samples],
+            # Token ids only for a function that takes them: they are the largest part of a request otherwise.
+            completion_ids=[list(s.completion_ids) if s.has_completion_ids else None for s in samples]
+            if "completion_ids" in fp.info.accepted_keywords and any(s.has_completion_ids for s in samples)
+            else None,
         )
         state = trainer_state_from_wire(request.trainer_state) if request.has_trainer_state else None
         try:

@@ -34,7 +34,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Optional
 
-from ..wire import Outcome, Status, TrainerState
+from ..wire import Outcome, Status, trainer_state_from_dict
 from . import codec, seccomp, worker
 from .channel import ChannelClosed, optional_fd, recv
 
@@ -320,7 +320,7 @@ def _handle(loaded: worker.Loaded, fd: int) -> None:
     sock.sendall(codec.STARTED)
     batch, timeout_s, state = codec.decode_request(_read_request(sock))
     try:
-        trainer_state = TrainerState(**state) if state is not None else None
+        trainer_state = trainer_state_from_dict(state)
         if loaded.info.is_async:
             result = asyncio.run(worker.score_async(loaded, batch, timeout_s, trainer_state))
         else:
@@ -343,7 +343,7 @@ async def _handle_async(loaded: worker.Loaded, fd: int) -> None:
         chunks.append(data)
     batch, timeout_s, state = codec.decode_request(b"".join(chunks))
     try:
-        trainer_state = TrainerState(**state) if state is not None else None
+        trainer_state = trainer_state_from_dict(state)
         result = await worker.score_async(loaded, batch, timeout_s, trainer_state)
     except BaseException:  # noqa: BLE001
         result = _internal_error(len(batch))

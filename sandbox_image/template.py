@@ -70,7 +70,8 @@ class Template:
         info = self.loaded.info
         send(self.server, {"op": "loaded", "info": {
             "is_async": info.is_async, "accepted_keywords": list(info.accepted_keywords),
-            "accepts_var_keywords": info.accepts_var_keywords, "signature": info.signature}})
+            "accepts_var_keywords": info.accepts_var_keywords, "signature": info.signature,
+            "required_keywords": list(info.required_keywords)}})
         if any(s.spec.uid is not None for s in self.slots):
             seccomp.prepare()
         gc.freeze()  # the module's objects stay shared with every fork instead of being copied on first touch

@@ -28,11 +28,16 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ..wire import Outcome, Status, TrainerState
+from ..wire import Outcome, Status, TrainerState, decode_columns, example_of
 from .records import FunctionInfo, SampleBatch, WorkerConfig
 
 # Optional keywords a reward function may declare to receive.
-OPTIONAL_KEYWORDS = ("trainer_state", "prompt_messages", "completion_messages")
+OPTIONAL_KEYWORDS = ("trainer_state", "prompt_messages", "completion_messages", "completion_ids")
+# Keywords TRL passes that hold the trainer's own objects: a sandbox cannot pass them, so a function may take them
+# only with a default (it gets the default).
+TRAINER_OBJECTS = ("log_extra", "log_metric", "environments")
+# What TRL passes a batch-style function besides the dataset's columns.
+BATCH_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state")
 MAX_ERROR_CHARS = 4000
 
 
@@ -139,8 +144,23 @@ def resolve_function(config: WorkerConfig, module: types.ModuleType) -> Loaded:
                 f"{where}: {config.function}{sig} does not fit style 'batch': it must accept `completions` "
                 "(and usually `prompts` and **kwargs). For fn(prompt, completion, example) set `style: sample`."
             )
+    params = list(sig.parameters.values())
+    keyword_params = params[3:] if config.style == "sample" else params
+    required = [p.name for p in keyword_params if p.default is p.empty
+                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for name in required:
+        if name in TRAINER_OBJECTS:
+            raise LoadError(f"{where}: {config.function}{sig}: parameter {name!r} has no default, but it is the "
+                            "trainer's own object, which cannot reach a sandbox. Give it a default "
+                            f"({name}=None): the function gets the default there.")
+        if config.style == "sample" and name not in OPTIONAL_KEYWORDS:
+            raise LoadError(f"{where}: {config.function}{sig}: parameter {name!r} has no default, and a "
+                            "sample-style function gets only prompt, completion, example and the keywords "
+                            f"{', '.join(OPTIONAL_KEYWORDS)}. Read columns from `example`, or give it a default.")
     accepted = tuple(k for k in OPTIONAL_KEYWORDS if k in named or var_kw)
-    return Loaded(fn, FunctionInfo(_is_async(fn), accepted, var_kw, f"{config.function}{sig}"), config)
+    info = FunctionInfo(_is_async(fn), accepted, var_kw, f"{config.function}{sig}",
+                        tuple(name for name in required if name not in BATCH_KEYWORDS))
+    return Loaded(fn, info, config)
 
 
 def load(config: WorkerConfig) -> Loaded:
@@ -231,16 +251,22 @@ def _sample_call(loaded: Loaded, batch: SampleBatch, i: int, state: Optional[Tra
         kw["prompt_messages"] = _messages(batch.prompt_messages_json[i])
     if "completion_messages" in accepted:
         kw["completion_messages"] = _messages(batch.completion_messages_json[i])
-    return loaded.fn(batch.prompts[i], batch.completions[i], dict(batch.examples[i]), **kw)
+    if "completion_ids" in accepted:
+        kw["completion_ids"] = batch.completion_ids[i] if batch.completion_ids is not None else None
+    return loaded.fn(batch.prompts[i], batch.completions[i], example_of(batch.columns_json[i]), **kw)
 
 
 def _batch_kwargs(loaded: Loaded, batch: SampleBatch, state: Optional[TrainerState]) -> dict:
+    """TRL's keyword arguments: prompts, completions, completion_ids, every column with the dataset's values (in
+    the dataset's order), trainer_state."""
     kw: dict = {
         "prompts": [_messages(pm) if pm else p for p, pm in zip(batch.prompts, batch.prompt_messages_json)],
         "completions": [_messages(cm) if cm else c for c, cm in zip(batch.completions, batch.completion_messages_json)],
+        "completion_ids": batch.completion_ids,
     }
-    for column in batch.examples[0] if len(batch) else ():
-        kw[column] = [example.get(column, "") for example in batch.examples]
+    rows = [decode_columns(text) for text in batch.columns_json]
+    for column in rows[0] if rows else ():
+        kw[column] = [row.get(column) for row in rows]
     if "trainer_state" in loaded.info.accepted_keywords:
         kw["trainer_state"] = state
     if not loaded.info.accepts_var_keywords:

@@ -73,7 +73,7 @@ class LoadRequest(_message.Message):
     def __init__(self, functions: _Optional[_Iterable[_Union[FunctionSource, _Mapping]]] = ...) -> None: ...
 
 class FunctionInfo(_message.Message):
-    __slots__ = ("name", "filename", "function", "style", "is_async", "signature", "source_sha256", "accepted_keywords", "accepts_var_keywords")
+    __slots__ = ("name", "filename", "function", "style", "is_async", "signature", "source_sha256", "accepted_keywords", "accepts_var_keywords", "required_keywords")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FILENAME_FIELD_NUMBER: _ClassVar[int]
     FUNCTION_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class FunctionInfo(_message.Message):
     SOURCE_SHA256_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_KEYWORDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_VAR_KEYWORDS_FIELD_NUMBER: _ClassVar[int]
+    REQUIRED_KEYWORDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     filename: str
     function: str
@@ -92,7 +93,8 @@ class FunctionInfo(_message.Message):
     source_sha256: str
     accepted_keywords: _containers.RepeatedScalarFieldContainer[str]
     accepts_var_keywords: bool
-    def __init__(self, name: _Optional[str] = ..., filename: _Optional[str] = ..., function: _Optional[str] = ..., style: _Optional[_Union[Style, str]] = ..., is_async: _Optional[bool] = ..., signature: _Optional[str] = ..., source_sha256: _Optional[str] = ..., accepted_keywords: _Optional[_Iterable[str]] = ..., accepts_var_keywords: _Optional[bool] = ...) -> None: ...
+    required_keywords: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., filename: _Optional[str] = ..., function: _Optional[str] = ..., style: _Optional[_Union[Style, str]] = ..., is_async: _Optional[bool] = ..., signature: _Optional[str] = ..., source_sha256: _Optional[str] = ..., accepted_keywords: _Optional[_Iterable[str]] = ..., accepts_var_keywords: _Optional[bool] = ..., required_keywords: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoadResponse(_message.Message):
     __slots__ = ("functions",)
@@ -101,35 +103,60 @@ class LoadResponse(_message.Message):
     def __init__(self, functions: _Optional[_Iterable[_Union[FunctionInfo, _Mapping]]] = ...) -> None: ...
 
 class TrainerState(_message.Message):
-    __slots__ = ("global_step", "max_steps", "epoch")
+    __slots__ = ("global_step", "max_steps", "epoch", "num_train_epochs", "logging_steps", "eval_steps", "save_steps", "train_batch_size", "num_input_tokens_seen", "total_flos", "best_metric", "best_global_step", "best_model_checkpoint", "is_local_process_zero", "is_world_process_zero", "is_hyper_param_search", "trial_name")
     GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRAIN_EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    LOGGING_STEPS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SAVE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_INPUT_TOKENS_SEEN_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FLOS_FIELD_NUMBER: _ClassVar[int]
+    BEST_METRIC_FIELD_NUMBER: _ClassVar[int]
+    BEST_GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    BEST_MODEL_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    IS_LOCAL_PROCESS_ZERO_FIELD_NUMBER: _ClassVar[int]
+    IS_WORLD_PROCESS_ZERO_FIELD_NUMBER: _ClassVar[int]
+    IS_HYPER_PARAM_SEARCH_FIELD_NUMBER: _ClassVar[int]
+    TRIAL_NAME_FIELD_NUMBER: _ClassVar[int]
     global_step: int
     max_steps: int
     epoch: float
-    def __init__(self, global_step: _Optional[int] = ..., max_steps: _Optional[int] = ..., epoch: _Optional[float] = ...) -> None: ...
+    num_train_epochs: int
+    logging_steps: int
+    eval_steps: int
+    save_steps: int
+    train_batch_size: int
+    num_input_tokens_seen: int
+    total_flos: float
+    best_metric: float
+    best_global_step: int
+    best_model_checkpoint: str
+    is_local_process_zero: bool
+    is_world_process_zero: bool
+    is_hyper_param_search: bool
+    trial_name: str
+    def __init__(self, global_step: _Optional[int] = ..., max_steps: _Optional[int] = ..., epoch: _Optional[float] = ..., num_train_epochs: _Optional[int] = ..., logging_steps: _Optional[int] = ..., eval_steps: _Optional[int] = ..., save_steps: _Optional[int] = ..., train_batch_size: _Optional[int] = ..., num_input_tokens_seen: _Optional[int] = ..., total_flos: _Optional[float] = ..., best_metric: _Optional[float] = ..., best_global_step: _Optional[int] = ..., best_model_checkpoint: _Optional[str] = ..., is_local_process_zero: _Optional[bool] = ..., is_world_process_zero: _Optional[bool] = ..., is_hyper_param_search: _Optional[bool] = ..., trial_name: _Optional[str] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("prompt", "completion", "example", "prompt_messages_json", "completion_messages_json")
-    class ExampleEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: str
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    __slots__ = ("prompt", "completion", "prompt_messages_json", "completion_messages_json", "columns_json", "completion_ids", "has_completion_ids")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_FIELD_NUMBER: _ClassVar[int]
-    EXAMPLE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_MESSAGES_JSON_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_MESSAGES_JSON_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_JSON_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_IDS_FIELD_NUMBER: _ClassVar[int]
+    HAS_COMPLETION_IDS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     completion: str
-    example: _containers.ScalarMap[str, str]
     prompt_messages_json: str
     completion_messages_json: str
-    def __init__(self, prompt: _Optional[str] = ..., completion: _Optional[str] = ..., example: _Optional[_Mapping[str, str]] = ..., prompt_messages_json: _Optional[str] = ..., completion_messages_json: _Optional[str] = ...) -> None: ...
+    columns_json: str
+    completion_ids: _containers.RepeatedScalarFieldContainer[int]
+    has_completion_ids: bool
+    def __init__(self, prompt: _Optional[str] = ..., completion: _Optional[str] = ..., prompt_messages_json: _Optional[str] = ..., completion_messages_json: _Optional[str] = ..., columns_json: _Optional[str] = ..., completion_ids: _Optional[_Iterable[int]] = ..., has_completion_ids: _Optional[bool] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
     __slots__ = ("function", "samples", "trainer_state", "has_trainer_state", "timeout_s")

@@ -67,7 +67,9 @@ def test_llm_judge_scores_through_the_network_with_its_secret_and_falls_back_wit
               "env": {"JUDGE_BASE_URL": judge_endpoint, "JUDGE_MODEL": "judge-model", "JUDGE_TIMEOUT_S": "5"},
               "timeout_s": 10, "default_score": None}
     s = docker_sandboxes(
-        [{"name": "judge", "network": True, **common}, {"name": "judge_offline", **common}],
+        [{"name": "judge", "network": True, "isolation": "worker", **common},
+         {"name": "judge_per_sample", "network": True, **common},  # isolation: sample, a fresh process each
+         {"name": "judge_offline", **common}],
         sandbox={"docker": {"network_mode": "host"}},  # the endpoint listens on the host's loopback
     )
     samples = build_samples(["What is 2 + 2?", "Capital of France?"], ["4", "Lyon"], {"answer": ["4", "Paris"]})
@@ -78,9 +80,23 @@ def test_llm_judge_scores_through_the_network_with_its_secret_and_falls_back_wit
     assert all(auth == f"Bearer {API_KEY}" and path == "/v1/chat/completions"
                for path, auth, _ in FakeOpenAI.requests)
 
+    # The example keeps one module-level AsyncOpenAI client: under isolation: worker it lives (with its connection
+    # pool) in one event loop per worker for the worker's life, so later batches use it as the first did.
+    questions = [f"What is {i} + {i}?" for i in range(8)]
+    answers = [str(2 * i) for i in range(8)]
+    later = build_samples(questions, [a if i % 2 else "wrong" for i, a in enumerate(answers)], {"answer": answers})
+    for _ in range(3):
+        report = run(s["judge"].client.score(later))
+        assert report.statuses == ["ok"] * 8, report.errors
+        assert report.values == [0.3, 1.0] * 4
+    per_sample = run(s["judge_per_sample"].client.score(later))
+    assert per_sample.statuses == ["ok"] * 8 and per_sample.values == [0.3, 1.0] * 4
+    sent = len(FakeOpenAI.requests)
+    assert sent == 2 + 3 * 8 + 8
+
     offline = run(s["judge_offline"].client.score(samples))
     # a connection error and its fallback, not a hang (a hang would read "timeout")
     assert offline.statuses == ["error", "error"]
     assert offline.values == [None, None]
     assert "APIConnectionError" in offline.errors[0]
-    assert len(FakeOpenAI.requests) == 2  # nothing reached the endpoint
+    assert len(FakeOpenAI.requests) == sent  # nothing reached the endpoint

@@ -6,10 +6,11 @@ from __future__ import annotations
 import time
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rewardbox import build_samples
-from rewardbox.wire.pb import reward_pb2 as pb
+from rewardbox import ConfigError, RewardLoadError, build_samples
+from rewardbox.wire import trainer_state_to_wire
 from tests.conftest import run
 
 BEHAVIOURS = """
@@ -99,21 +100,36 @@ def test_timeout_is_per_sample_not_per_batch(sandboxes):
     assert report.values == [0.0, 1.0, 2.0, 3.0, 0.0, 4.0]
 
 
-def test_batch_style_gets_lists_and_string_columns(sandboxes):
+def test_batch_style_gets_trls_native_columns_in_order_and_completion_ids(sandboxes):
     code = """
-    def lengths(prompts, completions, answer, **kwargs):
-        assert all(isinstance(a, str) for a in answer)
-        return [len(c) + float(a) for c, a in zip(completions, answer)]
+    def native(prompts, completions, completion_ids, answer, **kwargs):
+        seen = {k: type(v[0]).__name__ for k, v in kwargs.items() if k != "trainer_state"}
+        print("ORDER", list(kwargs))
+        print("TYPES", seen)
+        assert [type(a) for a in answer] == [int, float]
+        assert kwargs["meta"][0] == {"tags": ["x", "y"], "n": None} and kwargs["flag"] == [True, False]
+        assert kwargs["missing"] == [None, None]
+        return [len(c) + a + sum(ids) for c, a, ids in zip(completions, answer, completion_ids)]
+
+    def named_only(prompts, completions, answer):
+        return [float(a) for a in answer]
 
     def wrong_length(prompts, completions, **kwargs):
         return [1.0]
     """
     s = sandboxes([
-        {"name": "lengths", "code": code, "style": "batch"},
-        {"name": "wrong_length", "file": "lengths.py", "style": "batch", "default_score": None},
+        {"name": "native", "code": code, "style": "batch"},
+        {"name": "named_only", "file": "native.py", "style": "batch"},
+        {"name": "wrong_length", "file": "native.py", "style": "batch", "default_score": None},
     ])
-    report = score(s, "lengths", ["a", "bbb"], columns={"answer": [10, 0.5]})
-    assert report.values == [11.0, 3.5] and report.statuses == ["ok", "ok"]
+    columns = {"answer": [10, 0.5], "meta": [{"tags": ["x", "y"], "n": None}, {}], "flag": [True, False],
+               "missing": [None, None]}
+    samples = build_samples(["p", "p"], ["a", "bbb"], columns, completion_ids=[[1, 2], [3]])
+    report = run(s["native"].client.score(samples))
+    assert report.values == [14.0, 6.5] and report.statuses == ["ok", "ok"], report.errors
+    assert "ORDER ['meta', 'flag', 'missing', 'trainer_state']" in report.logs, report.logs
+    # A function without **kwargs gets only what it names.
+    assert run(s["named_only"].client.score(samples)).values == [10.0, 0.5]
     bad = score(s, "wrong_length", ["a", "bb", "ccc"])
     assert bad.statuses == ["invalid"] * 3 and bad.values == [None] * 3
     assert "returned 1 values for" in bad.errors[0]
@@ -151,22 +167,51 @@ def test_async_functions_run_concurrently_with_per_sample_timeouts(sandboxes):
     assert first_end == 13
 
 
-def test_trainer_state_reaches_functions_that_accept_it(sandboxes):
+def test_trainer_state_reaches_functions_that_accept_it_as_in_trl(sandboxes):
     code = """
     def curriculum(prompt, completion, example, trainer_state=None):
         if trainer_state is None:
             return -1.0
-        return trainer_state.global_step / trainer_state["max_steps"] + trainer_state.epoch
+        try:
+            trainer_state["max_steps"]  # not in TRL either: a TrainerState is not subscriptable
+            return -2.0
+        except TypeError:
+            pass
+        return (trainer_state.global_step / trainer_state.max_steps + trainer_state.epoch
+                + trainer_state.num_train_epochs * 100 + trainer_state.logging_steps * 1000)
 
     def batch_curriculum(prompts, completions, trainer_state, **kwargs):
+        s = trainer_state
+        assert s.best_metric is None and s.trial_name is None and s.is_world_process_zero
+        assert s.train_batch_size == 8 and s.save_steps == 500 and s.best_model_checkpoint == "ckpt-3"
         return [float(trainer_state.global_step)] * len(completions)
     """
     s = sandboxes([{"name": "curriculum", "code": code},
                    {"name": "batch_curriculum", "file": "curriculum.py", "style": "batch"}])
-    state = pb.TrainerState(global_step=5, max_steps=10, epoch=1.0)
-    assert score(s, "curriculum", ["a"], state=state).values == [1.5]
+    from transformers import TrainerState  # what TRL passes: the real object, converted field by field
+
+    real = TrainerState(global_step=5, max_steps=10, epoch=1.0, num_train_epochs=3, logging_steps=2,
+                        train_batch_size=8, best_model_checkpoint="ckpt-3")
+    state = trainer_state_to_wire(real)
+    assert score(s, "curriculum", ["a"], state=state).values == [2301.5]
     assert score(s, "curriculum", ["a"]).values == [-1.0]
-    assert score(s, "batch_curriculum", ["a", "b"], state=state).values == [5.0, 5.0]
+    report = score(s, "batch_curriculum", ["a", "b"], state=state)
+    assert report.values == [5.0, 5.0], report.errors
+
+
+def test_signatures_trl_cannot_satisfy_fail_at_load_naming_the_parameter(sandboxes):
+    code = """
+    def needs_metric(prompts, completions, log_metric, **kwargs):
+        return [1.0] * len(completions)
+    """
+    with pytest.raises(RewardLoadError, match=r"parameter 'log_metric' has no default.*log_metric=None"):
+        sandboxes([{"name": "needs_metric", "code": code, "style": "batch"}])
+    code = """
+    def sample_needs(prompt, completion, example, answer):
+        return 1.0
+    """
+    with pytest.raises(RewardLoadError, match=r"sample_needs.py:2: .*missing a required argument: 'answer'"):
+        sandboxes([{"name": "sample_needs", "code": code}])
 
 
 def test_conversational_samples_give_text_and_the_message_lists(sandboxes):
@@ -271,3 +316,26 @@ def test_a_sandbox_whose_slots_cannot_be_prepared_reports_not_serving(write_conf
         assert "no slot process could be prepared (FileExistsError" in sandbox.logs(tail=50)
     finally:
         replica.stop()
+
+
+def test_startup_check_names_a_required_parameter_the_dataset_lacks_and_a_column_that_cannot_travel(sandboxes):
+    code = """
+    def needs_answer(prompts, completions, answer, level=1, **kwargs):
+        return [float(a) for a in answer]
+    """
+    s = sandboxes([{"name": "needs_answer", "code": code, "style": "batch"}])
+    with pytest.raises(ConfigError, match=r"reward 'needs_answer' .*needs_answer\.py.*parameter 'answer' has no "
+                                          r"default, but TRL passes no such keyword: dataset d\.jsonl has the "
+                                          r"columns question, level"):
+        s.check_columns(["question", "level"], source="dataset d.jsonl")
+    s.check_columns(["answer"], {"answer": 3})  # required ones present, optional ones may be missing
+    with pytest.raises(ConfigError, match=r"column 'answer' holds a bytes .*cannot reach a sandbox unchanged"):
+        s.check_columns(["answer"], {"answer": b"\x00"})
+    # At call time the same column is refused with the same words rather than sent changed.
+    with pytest.raises(ValueError, match=r"column 'answer' holds a bytes"):
+        run(s["needs_answer"](prompts=["p"], completions=["c"], answer=[b"\x00"]))
+    # What TRL passes in-process reaches it: a real call with TRL's keywords, its own objects included.
+    values = run(s["needs_answer"](prompts=["p", "p"], completions=["c", "d"], completion_ids=[[1], [2]],
+                                   answer=[1, 2.5], trainer_state=None, log_metric=lambda *a: None,
+                                   log_extra=lambda *a: None))
+    assert values == [1.0, 2.5]
