@@ -39,6 +39,7 @@ _EXPORTS = {
     "RewardClient": ".client",
     "ScoreReport": ".client",
     "SandboxedReward": ".reward",
+    "in_process_rewards": ".in_process",
     "build_samples": ".samples",
     "samples_from_rows": ".samples",
     "RewardSandboxes": ".session",
@@ -73,6 +74,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what type checkers and IDEs see (re-exports, listed in __all__)
     from .backends import Backend, Sandbox, register_backend  # noqa: F401
     from .client import RewardClient, ScoreReport  # noqa: F401
+    from .in_process import in_process_rewards  # noqa: F401
     from .errors import BackendError, ConfigError, ImageBuildError, RewardboxError, RewardLoadError, TransportError  # noqa: F401
     from .replica import Replica  # noqa: F401
     from .reward import SandboxedReward  # noqa: F401

@@ -4,7 +4,10 @@
     for ``isolation: worker`` and ``isolation: sample`` (paced as in training, and back to back: the worst case);
 (b) samples per second of a CPU-bound reward (~5 ms per sample) with 1 and 2 replicas, both isolation levels;
 (c) cold start from ``start()`` to the first score, with a cached image;
-(d) image build time, cached (tag exists) and uncached (image removed and wheelhouse emptied).
+(d) image build time, cached (tag exists) and uncached (image removed and wheelhouse emptied);
+(e) 256 LLM-judge calls (``examples/llm_judge/judge.py``, one module-level AsyncOpenAI client) against a local
+    OpenAI-compatible endpoint that answers after 200 ms: sandboxed (``isolation: worker``) versus in-process
+    ``asyncio.gather`` of the same function with its one client.
 Targets are printed beside the figures, never asserted.
 """
 
@@ -181,4 +184,99 @@ def run_bench(base_image: str, iterations: int = 200, progress: Callable[[str], 
         ratio = rates["sample", 1] / rates["worker", 1]
         figures.append(Figure("CPU-bound throughput, isolation: sample vs worker (1 replica)", f"{ratio:.0%}",
                               ">= 90%", ratio >= 0.9))
+
+        # (e) an I/O-bound async judge, sandboxed vs in-process
+        progress("(e) 256 judge calls at 200 ms latency, sandboxed and in-process")
+        figures.extend(_judge(client, directory, base_image))
     return figures
+
+
+JUDGE_CALLS = 256
+JUDGE_LATENCY_S = 0.2
+
+
+def _serve_slow_judge(ready) -> None:
+    """An OpenAI-compatible chat endpoint that answers "Score: 7" after JUDGE_LATENCY_S (a thread per request)."""
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class SlowJudge(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            time.sleep(JUDGE_LATENCY_S)
+            data = json.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
+                               "choices": [{"index": 0, "finish_reason": "stop",
+                                            "message": {"role": "assistant", "content": "Score: 7"}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    ThreadingHTTPServer.request_queue_size = 1024
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SlowJudge)
+    server.daemon_threads = True
+    ready.put(server.server_address[1])
+    server.serve_forever()
+
+
+def _judge(client, directory: Path, base_image: str) -> list[Figure]:
+    import importlib.util
+    import multiprocessing
+    import os
+    import shutil
+
+    # The endpoint runs in a process of its own: in this one, its threads would slow the in-process side.
+    ready = multiprocessing.get_context("fork").Queue()
+    server = multiprocessing.get_context("fork").Process(target=_serve_slow_judge, args=(ready,), daemon=True)
+    server.start()
+    port = ready.get(timeout=30)
+    url = f"http://127.0.0.1:{port}/v1"
+    source = Path(__file__).resolve().parents[1] / "examples" / "llm_judge" / "judge.py"
+    if not source.is_file():  # an installed wheel has no examples folder
+        return [Figure("256 judge calls: needs examples/llm_judge/judge.py (a source checkout)", "-", "-", None)]
+    shutil.copy(source, directory / "judge.py")
+    env = {"JUDGE_BASE_URL": url, "JUDGE_MODEL": "bench", "JUDGE_API_KEY": "sk-bench", "JUDGE_TIMEOUT_S": "30"}
+    samples = build_samples(["What is 1 + 1?"] * JUDGE_CALLS, ["2"] * JUDGE_CALLS, {"answer": ["2"] * JUDGE_CALLS})
+    try:
+        config = parse_config({"sandbox": {"backend": "docker", "docker": {"base_image": base_image,
+                                                                            "network_mode": "host"}},
+                               "rewards": [{"name": "judge", "source": "judge.py", "packages": ["openai>=1.40"],
+                                            "network": True, "env": env, "isolation": "worker",
+                                            "timeout_s": 30}]}, directory)
+        with RewardSandboxes(config, backend=_backend(config, client)) as sandboxes:
+            reward = sandboxes.rewards[0]
+
+            async def sandboxed():
+                await reward.client.score(samples[:8])  # warm-up: the client and its connections exist
+                t0 = time.perf_counter()
+                report = await reward.client.score(samples)
+                return time.perf_counter() - t0, report.fallbacks
+
+            boxed, fallbacks = asyncio.run(sandboxed())
+
+        os.environ.update(env)
+        spec = importlib.util.spec_from_file_location("rewardbox_bench_judge", directory / "judge.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+        async def in_process():
+            await asyncio.gather(*(module.judge("q", "2", {"answer": "2"}) for _ in range(8)))
+            t0 = time.perf_counter()
+            await asyncio.gather(*(module.judge("What is 1 + 1?", "2", {"answer": "2"}) for _ in range(JUDGE_CALLS)))
+            return time.perf_counter() - t0
+
+        plain = asyncio.run(in_process())
+    finally:
+        server.kill()
+    ratio = boxed / plain
+    return [
+        Figure(f"{JUDGE_CALLS} judge calls at {JUDGE_LATENCY_S * 1000:.0f} ms, in-process asyncio.gather",
+               f"{plain * 1000:.0f} ms", "-", None),
+        Figure(f"{JUDGE_CALLS} judge calls at {JUDGE_LATENCY_S * 1000:.0f} ms, sandboxed (isolation: worker)",
+               f"{boxed * 1000:.0f} ms ({fallbacks} fell back)", "-", None),
+        Figure("judge calls, sandboxed vs in-process", f"{ratio:.2f}x", "<= 1.5x", ratio <= 1.5 and not fallbacks),
+    ]

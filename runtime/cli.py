@@ -226,6 +226,8 @@ def base_image(
 def train(
     ctx: typer.Context,
     config: Path = typer.Argument(..., help="training YAML: sandbox, rewards, model, dataset, grpo, lora"),
+    in_process: bool = typer.Option(False, "--in-process", help="call the reward files in this process as plain "
+                                    "TRL reward functions: NO sandbox and NO isolation (debugging, comparisons)"),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Train with GRPO on sandboxed rewards. Override any field: --grpo.max_steps 5 --lora.r 8."""
@@ -236,7 +238,7 @@ def train(
 
     try:
         cfg = load_train_config(config, ctx.args)
-        result = run_training(cfg)
+        result = run_training(cfg, in_process=in_process)
     except RewardboxError as e:
         raise fail(str(e)) from None
     except KeyboardInterrupt:

@@ -127,6 +127,7 @@ def train(
     overrides: Sequence[str] = (),
     callbacks: Sequence[Any] = (),
     backend: Optional[Backend] = None,
+    in_process: bool = False,
 ) -> TrainResult:
     """Runs GRPO training as the config says and returns where it saved and what it logged.
 
@@ -135,6 +136,8 @@ def train(
         overrides: ``["--grpo.max_steps", "5", ...]`` applied to the file (ignored for a TrainConfig).
         callbacks: extra transformers TrainerCallbacks.
         backend: a sandbox backend to use instead of ``sandbox.backend``.
+        in_process: call the reward files in this process as plain TRL reward functions (no sandbox, no isolation;
+            see :mod:`rewardbox.in_process`): for debugging, and to check that sandboxed training matches plain TRL.
     Raises:
         ConfigError, RewardLoadError, ImageBuildError, BackendError: before any model is loaded.
     """
@@ -148,6 +151,8 @@ def train(
     train_ds, eval_ds = load_datasets(cfg.dataset, cfg.base_dir, cfg.where)
     state = PartialState()
     output_dir.mkdir(parents=True, exist_ok=True)
+    if in_process:
+        return _train_in_process(cfg, args, train_ds, eval_ds, state, callbacks)
     sandboxes = RewardSandboxes(cfg, backend=backend)
     try:
         # On each node the local rank 0 builds the images first; that node's other ranks then find them cached.
@@ -186,3 +191,27 @@ def train(
                            is_main_process=state.is_main_process)
     finally:
         sandboxes.stop()
+
+
+def _train_in_process(cfg: TrainConfig, args, train_ds, eval_ds, state, callbacks) -> TrainResult:
+    from peft import LoraConfig
+    from trl import GRPOTrainer
+
+    from ..in_process import in_process_rewards
+
+    log.warning("rewards run IN PROCESS: no sandbox, no isolation, no timeouts or fallbacks (--in-process)")
+    reward_funcs = in_process_rewards(cfg)
+    model, tokenizer = load_model(cfg.model)
+    peft_config = LoraConfig(**{"task_type": "CAUSAL_LM", **cfg.lora}) if cfg.lora is not None else None
+    trainer = GRPOTrainer(
+        model=model, processing_class=tokenizer, reward_funcs=reward_funcs, args=args, train_dataset=train_ds,
+        eval_dataset=eval_ds, peft_config=peft_config,
+        callbacks=[RewardPlotCallback(cfg.output_dir / "rewards.png", [f.__name__ for f in reward_funcs]),
+                   *callbacks],
+    )
+    trainer.train()
+    trainer.save_model(str(cfg.output_dir))
+    if state.is_main_process:
+        tokenizer.save_pretrained(str(cfg.output_dir))
+    return TrainResult(output_dir=cfg.output_dir, log_history=trainer.state.log_history, trainer=trainer,
+                       is_main_process=state.is_main_process)
