@@ -12,6 +12,7 @@ imports them: code that needs the protobuf stubs imports ``rewardbox.wire.pb`` i
 """
 
 from .constants import (
+    BATCH_KEYWORDS,
     DEFAULT_CONCURRENCY,
     DEFAULT_MAX_LOG_BYTES,
     DEFAULT_WARM,
@@ -20,8 +21,10 @@ from .constants import (
     GVISOR_WARM,
     HARD_TIMEOUT_MARGIN_S,
     MAX_MESSAGE_BYTES,
+    OPTIONAL_KEYWORDS,
     SERVICE_NAME,
     SLOT_UID_BASE,
+    TRAINER_OBJECTS,
     VERSION,
     sandbox_slots,
 )
@@ -30,6 +33,9 @@ from .status import Outcome, Status
 from .trainer_state import TrainerState, trainer_state_from_dict, trainer_state_from_wire, trainer_state_to_wire
 
 __all__ = [
+    "BATCH_KEYWORDS",
+    "OPTIONAL_KEYWORDS",
+    "TRAINER_OBJECTS",
     "DEFAULT_CONCURRENCY",
     "DEFAULT_MAX_LOG_BYTES",
     "DEFAULT_WARM",

@@ -38,3 +38,12 @@ def sandbox_slots(isolation: str, workers: int, warm: int) -> int:
 
 # The release, reported by every sandbox server (Describe) and the host package alike.
 VERSION = "0.2.0"
+
+# The keywords of TRL's reward call, shared by the host (start-up checks, the in-process path) and the sandbox.
+# What TRL passes a batch-style function besides the dataset's columns:
+BATCH_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state")
+# The trainer's own objects TRL passes too; they cannot reach a sandbox, so a function may take them only with a
+# default (which it gets there):
+TRAINER_OBJECTS = ("log_extra", "log_metric", "environments")
+# The optional keywords a sample-style function receives when it declares them:
+OPTIONAL_KEYWORDS = ("trainer_state", "prompt_messages", "completion_messages", "completion_ids")

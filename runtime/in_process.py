@@ -20,9 +20,7 @@ from typing import Any, Callable
 
 from .samples import TRL_RESERVED, as_text, is_messages
 from .spec import RewardboxConfig, RewardSpec
-from .wire import stringify
-
-_OPTIONAL = ("trainer_state", "prompt_messages", "completion_messages", "completion_ids")
+from .wire import OPTIONAL_KEYWORDS, stringify
 
 
 def load_function(reward: RewardSpec, path: Path) -> Callable:
@@ -37,7 +35,7 @@ def load_function(reward: RewardSpec, path: Path) -> Callable:
 def _sample_style(fn: Callable, name: str) -> Callable:
     params = inspect.signature(fn).parameters
     takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    wanted = [k for k in _OPTIONAL if k in params or takes_all]
+    wanted = [k for k in OPTIONAL_KEYWORDS if k in params or takes_all]
 
     def calls(prompts, completions, completion_ids=None, trainer_state=None, **kwargs):
         columns = {k: v for k, v in kwargs.items() if k not in TRL_RESERVED}

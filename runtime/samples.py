@@ -14,16 +14,11 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable, Optional, Sequence
 
-from .wire import encode_columns, json_problem
+from .wire import BATCH_KEYWORDS, TRAINER_OBJECTS, encode_columns, json_problem
 from .wire.pb import reward_pb2 as pb
 
 # Keyword arguments TRL passes that are not dataset columns.
-TRL_RESERVED = frozenset(
-    {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments"}
-)
-# What TRL passes a batch-style function besides the columns (and its own objects, which stay on the host).
-TRL_BATCH_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state")
-
+TRL_RESERVED = frozenset(BATCH_KEYWORDS + TRAINER_OBJECTS)
 
 def _content_text(content: Any) -> str:
     if isinstance(content, str):

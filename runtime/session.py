@@ -20,9 +20,10 @@ from .client import RewardClient
 from .errors import ConfigError, RewardboxError, RewardLoadError
 from .replica import Replica, function_source
 from .reward import SandboxedReward
-from .samples import TRL_BATCH_KEYWORDS, column_problem
+from .samples import column_problem
 from .spec import RewardboxConfig
 from .transport import GrpcTransport, Transport
+from .wire import BATCH_KEYWORDS
 
 log = logging.getLogger("rewardbox")
 
@@ -110,7 +111,7 @@ class RewardSandboxes:
         Raises:
             ConfigError: naming the reward, its file and line, the parameter or column, and the fix.
         """
-        passed = set(TRL_BATCH_KEYWORDS) | set(columns)
+        passed = set(BATCH_KEYWORDS) | set(columns)
         for reward in self.rewards:
             info = reward.info
             if info is None or reward.style != "batch":
@@ -120,7 +121,7 @@ class RewardSandboxes:
             if missing:
                 raise ConfigError(
                     f"{where}: parameter {missing[0]!r} has no default, but TRL passes no such keyword: {source} "
-                    f"has the columns {', '.join(columns) or 'none'}, and TRL adds {', '.join(TRL_BATCH_KEYWORDS)}. "
+                    f"has the columns {', '.join(columns) or 'none'}, and TRL adds {', '.join(BATCH_KEYWORDS)}. "
                     f"Rename the parameter to one of them, add the column, or give it a default.")
             if values is not None:
                 problem = column_problem({k: (v if rows else [v]) for k, v in values.items() if k in columns})

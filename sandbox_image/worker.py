@@ -28,16 +28,10 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ..wire import Outcome, Status, TrainerState, decode_columns, example_of
+from ..wire import (BATCH_KEYWORDS, OPTIONAL_KEYWORDS, TRAINER_OBJECTS, Outcome, Status, TrainerState,
+                    decode_columns, example_of)
 from .records import FunctionInfo, SampleBatch, WorkerConfig
 
-# Optional keywords a reward function may declare to receive.
-OPTIONAL_KEYWORDS = ("trainer_state", "prompt_messages", "completion_messages", "completion_ids")
-# Keywords TRL passes that hold the trainer's own objects: a sandbox cannot pass them, so a function may take them
-# only with a default (it gets the default).
-TRAINER_OBJECTS = ("log_extra", "log_metric", "environments")
-# What TRL passes a batch-style function besides the dataset's columns.
-BATCH_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state")
 MAX_ERROR_CHARS = 4000
 
 
