@@ -119,7 +119,7 @@ def kill_uid(uid: int, deadline_s: float = 10.0, atomic: bool = False) -> None:
     (a stopped process cannot fork) until several scans in a row find none that could fork, for at most
     STOP_BUDGET_S (whatever resists stopping, a tracee or a process waiting in the kernel, is not forking either).
     Then they are killed until /proc shows none left (kill(-1) returns success whenever any other process exists,
-    so /proc is the only proof).
+    so /proc is the only proof; without an atomic kill, several scans in a row).
 
     Raises:
         RuntimeError: some survived ``deadline_s`` (a process stuck in the kernel).
@@ -130,9 +130,13 @@ def kill_uid(uid: int, deadline_s: float = 10.0, atomic: bool = False) -> None:
     while not atomic and stable < STABLE_SCANS and time.monotonic() < stop_end:
         _signal_all(signal.SIGSTOP)
         stable = stable + 1 if not _pids_of(uid, running_only=True) else 0
+    # Without an atomic kill(-1), one empty scan may have raced a fork that was under way (a child not yet listed,
+    # its parent already dead): there, several empty scans in a row, each after another kill, are the proof.
+    empty_scans = 0
     while True:
         _signal_all(signal.SIGKILL)
-        if not _pids_of(uid):
+        empty_scans = empty_scans + 1 if not _pids_of(uid) else 0
+        if empty_scans >= (1 if atomic else STABLE_SCANS):
             return
         if time.monotonic() > end:
             raise RuntimeError(f"processes of uid {uid} survived SIGKILL for {deadline_s:g}s")
