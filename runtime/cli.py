@@ -321,9 +321,47 @@ def backends() -> None:
 
 @app.command()
 def serve(
+    config: Path = typer.Argument(..., help="rewardbox YAML config: the rewards to serve, where they run"),
+    listen: str = typer.Option("127.0.0.1:50051", help="HOST:PORT; other than loopback needs TLS and a token"),
+    tls_cert: Optional[Path] = typer.Option(None, help="the service's certificate chain (PEM)"),
+    tls_key: Optional[Path] = typer.Option(None, help="its private key (PEM)"),
+    token_env: str = typer.Option("REWARDBOX_TOKEN", help="environment variable holding the token clients must "
+                                  "send; checked whenever it is set"),
+    backend: Optional[str] = typer.Option(None, help="override sandbox.backend of CONFIG (where the sandboxes run)"),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+) -> None:
+    """Serve CONFIG's rewards to many trainers and ranks on one authenticated endpoint (`backend: remote`)."""
+    _setup_logging(verbose)
+    from .service import ServiceSecurity
+    from .service import serve as run_service
+
+    def ready(sandboxes, port: int) -> None:
+        host = listen.rsplit(":", 1)[0]
+        names = ", ".join(r.name for r in sandboxes.rewards)
+        out_console.print(f"serving {names} on {host}:{port} ({security.describe()}); Ctrl-C or SIGTERM drains "
+                          "and stops", highlight=False, soft_wrap=True)
+
+    try:
+        security = ServiceSecurity.from_options(listen, tls_cert, tls_key, token_env)
+        cfg = load_config(config)
+        if backend:
+            cfg.sandbox.backend = backend
+        asyncio.run(run_service(cfg, listen, security, on_ready=ready))
+    except RewardboxError as e:
+        raise fail(str(e)) from None
+    except OSError as e:
+        raise fail(f"--listen {listen}: {e}") from None
+    except ValueError as e:  # pydantic's ValidationError for --backend
+        raise fail(f"--backend: {e}") from None
+    out_console.print("stopped; all sandboxes were removed")
+
+
+@app.command("sandbox-server")
+def sandbox_server(
     listen: str = typer.Option("unix:///tmp/rewardbox.sock", help="unix:///path.sock or host:port"),
 ) -> None:
-    """Run a sandbox server (what runs inside each container) as this process, for debugging with grpcurl."""
+    """Run one bare sandbox server (what runs inside each container) as this process, for debugging with grpcurl.
+    No isolation, no authentication: use `rewardbox serve` to share sandboxes."""
     # exec, not import: the host side never loads the sandbox's modules.
     os.execv(sys.executable, [sys.executable, "-m", "rewardbox.sandbox", "--listen", listen])
 

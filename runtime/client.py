@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import logging
 import math
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Optional, Sequence
@@ -123,7 +124,7 @@ class RewardClient:
         started = time.monotonic()
         n = len(samples)
         # Sample-style batches are split across replicas; a batch-style call goes whole to the next replica.
-        k = 1 if self.reward.style == "batch" else (min(len(self.replicas), n) or 1)
+        k = 1 if self.reward.style == "batch" else (min(len(self._usable()), n) or 1)
         bounds = [round(i * n / k) for i in range(k + 1)]
         shares = [_Share(list(samples[a:b]), list(range(a, b))) for a, b in zip(bounds, bounds[1:])]
         first = next(self._rotation)
@@ -187,7 +188,8 @@ class RewardClient:
         k = 1 if self.reward.style == "batch" or not retry else min(SPLIT, len(todo))
         bounds = [round(j * len(todo) / k) for j in range(k + 1)]
         parts = [todo[a:b] for a, b in zip(bounds, bounds[1:])]
-        replicas = [self.replicas[(first + share.attempts - 1 + j) % len(self.replicas)] for j in range(k)]
+        usable = self._usable()
+        replicas = [usable[(first + share.attempts - 1 + j) % len(usable)] for j in range(k)]
         failures = await asyncio.gather(*(self._request(r, part, share, trainer_state)
                                           for r, part in zip(replicas, parts)), return_exceptions=True)
         transient = [f for f in failures if isinstance(f, TransientSandboxError)]
@@ -197,34 +199,87 @@ class RewardClient:
         if transient:
             raise transient[0]
 
+    def _usable(self) -> list:
+        """The replicas to send to: all but shared services set aside after failing health (all, if none is left)."""
+        return [r for r in self.replicas if r.usable()] or self.replicas
+
+    def service_deadline_s(self, n: int) -> float:
+        """Deadline of a Score call to a shared service, which retries on its own sandboxes first."""
+        r = self.reward
+        return (r.retries + 1) * self.deadline_s(n) + r.retries * self.settings.backoff_max_s
+
     async def _request(self, replica: Replica, todo: list, share: _Share,
                        trainer_state: Optional[pb.TrainerState]) -> None:
-        request = pb.ScoreRequest(function=self.reward.name, samples=[s for _, s in todo],
-                                  timeout_s=self.reward.timeout_s)
-        if trainer_state is not None:
-            request.trainer_state.CopyFrom(trainer_state)
-            request.has_trainer_state = True
-        generation = replica.generation
-        try:
-            reply = await replica.score(request, timeout_s=self.deadline_s(len(todo)))
-        except TransportError as e:
-            if e.code in TRANSIENT_CODES or e.code == grpc.StatusCode.FAILED_PRECONDITION:
-                log.info("reward %s: attempt %d on sandbox %s failed (%s); recovering and retrying", self.reward.name,
-                         share.attempts, replica.name, e)
-                await self._recover(replica, generation, reload=e.code == grpc.StatusCode.FAILED_PRECONDITION)
-                raise TransientSandboxError(f"{replica.name}: {e}") from None
-            raise BackendError(f"reward {self.reward.name!r}: sandbox {replica.name} refused the request: {e}") from e
+        """One Score call for ``todo`` (sent again, after a backoff, for what a shared service deferred while its
+        max_in_flight budget was full: waiting for the budget is not a failure and uses up no retry).
+
+        Raises:
+            TransientSandboxError: the call failed, or a shared service could not score some samples.
+        """
+        delay, waited = self.settings.backoff_initial_s, 0.0
+        while todo:
+            request = pb.ScoreRequest(function=self.reward.name, samples=[s for _, s in todo],
+                                      timeout_s=self.reward.timeout_s)
+            if trainer_state is not None:
+                request.trainer_state.CopyFrom(trainer_state)
+                request.has_trainer_state = True
+            generation = replica.generation
+            deadline = self.service_deadline_s(len(todo)) if replica.shared else self.deadline_s(len(todo))
+            try:
+                reply = await replica.score(request, timeout_s=deadline)
+            except TransportError as e:
+                if replica.shared and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    deferred, unscored = todo, 0
+                elif e.code in TRANSIENT_CODES or e.code == grpc.StatusCode.FAILED_PRECONDITION:
+                    log.info("reward %s: attempt %d on sandbox %s failed (%s); recovering and retrying",
+                             self.reward.name, share.attempts, replica.name, e)
+                    await self._recover(replica, generation, reload=e.code == grpc.StatusCode.FAILED_PRECONDITION)
+                    raise TransientSandboxError(f"{replica.name}: {e}") from None
+                else:
+                    raise BackendError(f"reward {self.reward.name!r}: sandbox {replica.name} refused the request: "
+                                       f"{e}") from e
+            else:
+                deferred, unscored = self._record(replica, todo, reply, share)
+            if unscored:
+                raise TransientSandboxError(f"{replica.name}: {unscored} sample(s) unavailable there: "
+                                            f"{share.last_error}")
+            if deferred and waited >= self.max_wait_s(replica):
+                message = f"{replica.name}: max_in_flight stayed full for {waited:.0f}s"
+                for i, _ in deferred:
+                    share.outcomes[i] = Outcome.failed(Status.UNAVAILABLE, message)
+                return
+            if deferred:
+                pause = random.uniform(delay / 2, delay)  # jittered, so that waiting ranks do not come back together
+                await self._sleep(pause)
+                waited += pause
+                delay = min(2 * delay, self.settings.backoff_max_s)
+            todo = deferred
+
+    def max_wait_s(self, replica: Replica) -> float:
+        return float(getattr(replica.sandbox, "max_wait_s", 0.0))
+
+    def _record(self, replica: Replica, todo: list, reply: pb.ScoreResponse, share: _Share) -> tuple[list, int]:
+        """Keeps the scores of a reply. Returns the samples a shared service deferred, and how many it could not
+        score (left for a retry elsewhere)."""
         if len(reply.scores) != len(todo):
             raise BackendError(f"sandbox {replica.name} returned {len(reply.scores)} scores for {len(todo)} samples")
-        outcomes, isfinite = share.outcomes, math.isfinite
-        for (i, _), score in zip(todo, reply.scores):
+        outcomes, isfinite, shared = share.outcomes, math.isfinite, replica.shared
+        deferred, unscored = [], 0
+        for item, score in zip(todo, reply.scores):
             # Nearly every sample: status ok with a finite value. checked() handles the rest the same way.
             if score.status == _OK_WIRE and score.HasField("value") and isfinite(score.value):
-                outcomes[i] = Outcome(score.value, _OK)
+                outcomes[item[0]] = Outcome(score.value, _OK)
+            elif shared and score.status == _UNAVAILABLE_WIRE:
+                if score.deferred:
+                    deferred.append(item)
+                else:
+                    unscored += 1
+                    share.last_error = score.error
             else:
-                outcomes[i] = checked(score)
+                outcomes[item[0]] = checked(score)
         share.logs.append(reply.logs)
         share.workers_replaced += reply.metrics.workers_replaced
+        return deferred, unscored
 
     async def _recover(self, replica: Replica, generation: int, reload: bool) -> None:
         try:

@@ -23,6 +23,8 @@ from .wire.pb import reward_pb2 as pb
 
 log = logging.getLogger("rewardbox")
 
+RECHECK_S = 5.0  # a shared service set aside after failing health is tried again after this long
+
 
 def function_source(reward: RewardSpec, path: Path) -> pb.FunctionSource:
     """The Load message for a reward, reading its source file now."""
@@ -71,6 +73,10 @@ class Replica:
         self._recover_lock = threading.Lock()
         self._generation = 0  # bumps on every recovery, so concurrent failures recover once
         self.infos: dict[str, pb.FunctionInfo] = {}  # what the sandbox said of each loaded function
+        # A shared service (remote backend) is not ours to restart: one that fails health is set aside (for
+        # RECHECK_S) and its samples go to the other replicas; it also relays `unavailable` and `deferred`.
+        self.shared = bool(getattr(sandbox, "shared", False))
+        self.down_since: Optional[float] = None
 
     @property
     def name(self) -> str:
@@ -85,6 +91,10 @@ class Replica:
     @property
     def generation(self) -> int:
         return self._generation
+
+    def usable(self) -> bool:
+        """False while a shared service that failed health is set aside (it is tried again after RECHECK_S)."""
+        return self.down_since is None or time.monotonic() - self.down_since >= RECHECK_S
 
     def healthy(self, timeout_s: float = 2.0) -> bool:
         return self.sandbox.alive() and self.connection.check_health(timeout_s)
@@ -135,6 +145,7 @@ class Replica:
         """One Score RPC with deadline ``timeout_s``. Raises TransportError."""
         reply = await self.connection.score(request, timeout_s, wait_for_ready or self.reconnecting)
         self.reconnecting = False
+        self.down_since = None
         return reply
 
     def start(self) -> None:
@@ -159,6 +170,10 @@ class Replica:
                 return
             self._generation += 1
             if not self.healthy():
+                if self.shared:
+                    log.warning("service %s is not healthy; its samples go to the other endpoints", self.name)
+                    self.down_since = time.monotonic()
+                    return
                 log.warning("sandbox %s is not healthy; restarting it. Last output:\n%s", self.name,
                             self.sandbox.logs(tail=10))
                 self._disconnect()

@@ -24,6 +24,7 @@ from .samples import column_problem
 from .spec import RewardboxConfig
 from .transport import GrpcTransport, Transport
 from .wire import BATCH_KEYWORDS
+from .wire.pb import reward_pb2 as pb
 
 log = logging.getLogger("rewardbox")
 
@@ -78,11 +79,13 @@ class RewardSandboxes:
             if self.backend is None:
                 self.backend = create_backend(settings)
             self.backend.prepare(self.config.rewards)
+            # A backend may decide how many replicas a reward has (remote: the endpoints that serve it).
+            count = getattr(self.backend, "replica_count", None)
             for reward in self.config.rewards:
                 source = function_source(reward, self.config.source_path(reward))
                 self.replicas[reward.name] = [
                     Replica(self.backend.create(reward, i), [source], settings.start_timeout_s, self.transport)
-                    for i in range(reward.replicas)
+                    for i in range(count(reward) if count else reward.replicas)
                 ]
             everything = [r for rs in self.replicas.values() for r in rs]
             with ThreadPoolExecutor(max_workers=max(1, min(16, len(everything)))) as pool:
@@ -135,9 +138,19 @@ class RewardSandboxes:
             RewardLoadError: the new source does not load; the previous version keeps serving.
         """
         reward = next(r for r in self.config.rewards if r.name == name)
-        source = function_source(reward, self.config.source_path(reward))
+        self.load_source(name, function_source(reward, self.config.source_path(reward)))
+
+    def source(self, name: str) -> pb.FunctionSource:
+        """The source a reward's replicas run now."""
+        return next(f for f in self.replicas[name][0].functions if f.name == name)
+
+    def load_source(self, name: str, source: pb.FunctionSource) -> None:
+        """Loads ``source`` into all of a reward's replicas (see :meth:`reload`)."""
         for replica in self.replicas[name]:
             replica.load([source])
+        info = self.replicas[name][0].infos.get(name)
+        if info is not None:
+            self[name].info = info
 
     def stop(self) -> None:
         """Stops every sandbox; safe to call more than once."""

@@ -126,6 +126,9 @@ class RewardSpec(_Strict):
     cpus: PositiveFloat = 1.0
     pids: PositiveInt = 256
     max_log_bytes: PositiveInt = DEFAULT_MAX_LOG_BYTES
+    max_in_flight: Optional[PositiveInt] = Field(
+        default=None, description="samples of this reward that may run at once on a shared service (`rewardbox "
+        "serve`), for all its clients together (e.g. an LLM judge's rate limit); more wait, with backoff")
 
     @field_validator("packages")
     @classmethod

@@ -41,15 +41,27 @@ class Endpoint:
     """Where a sandbox serves and how to reach it.
 
     Attributes:
-        target: a gRPC target: ``unix:///path/grpc.sock`` or ``host:port``.
+        target: a gRPC target: ``unix:///path/grpc.sock``, ``host:port`` or ``dns:///name:port``.
         root_certificates: PEM of the CA that signed the server's certificate; set, the channel uses TLS.
         token: sent with every call as ``authorization: Bearer <token>``. Without TLS only over a local
             connection (a Unix socket or loopback), which gRPC enforces.
+        server_name: the name the server's TLS certificate must carry, when it is not the target's host.
     """
 
     target: str
     root_certificates: Optional[bytes] = field(default=None, repr=False)
     token: Optional[str] = field(default=None, repr=False)
+    server_name: Optional[str] = None
+
+    def channel_options(self) -> tuple:
+        """gRPC channel options: ours, plus for a TCP target round-robin over every address its name resolves
+        to (a service behind one DNS name with several addresses), and the name TLS expects, if overridden."""
+        options = CHANNEL_OPTIONS
+        if not self.target.startswith("unix:"):
+            options += (("grpc.lb_policy_name", "round_robin"),)
+        if self.server_name:
+            options += (("grpc.ssl_target_name_override", self.server_name),)
+        return options
 
 
 class Connection(Protocol):
@@ -102,15 +114,16 @@ class GrpcConnection:
     def __init__(self, endpoint: Endpoint):
         self.endpoint = endpoint
         self._credentials = channel_credentials(endpoint)
+        self._options = endpoint.channel_options()
         self._control: Optional[grpc.Channel] = None
         self._aio: dict[asyncio.AbstractEventLoop, tuple[grpc.aio.Channel, pb_grpc.RewardSandboxStub]] = {}
 
     def _channel(self) -> grpc.Channel:
         if self._control is None:
             if self._credentials is None:
-                self._control = grpc.insecure_channel(self.endpoint.target, options=CHANNEL_OPTIONS)
+                self._control = grpc.insecure_channel(self.endpoint.target, options=self._options)
             else:
-                self._control = grpc.secure_channel(self.endpoint.target, self._credentials, options=CHANNEL_OPTIONS)
+                self._control = grpc.secure_channel(self.endpoint.target, self._credentials, options=self._options)
         return self._control
 
     def _stub(self) -> pb_grpc.RewardSandboxStub:
@@ -120,9 +133,10 @@ class GrpcConnection:
             for old in [k for k in self._aio if k.is_closed()]:
                 del self._aio[old]
             if self._credentials is None:
-                channel = grpc.aio.insecure_channel(self.endpoint.target, options=CHANNEL_OPTIONS)
+                channel = grpc.aio.insecure_channel(self.endpoint.target, options=self._options)
             else:
-                channel = grpc.aio.secure_channel(self.endpoint.target, self._credentials, options=CHANNEL_OPTIONS)
+                channel = grpc.aio.secure_channel(self.endpoint.target, self._credentials,
+                                                  options=self._options)
             entry = self._aio[loop] = (channel, pb_grpc.RewardSandboxStub(channel))
         return entry[1]
 

@@ -1,0 +1,213 @@
+"""The ``remote`` backend: rewards served by shared services (``rewardbox serve``) on other machines or pods.
+
+    sandbox:
+      backend: remote
+      remote:
+        endpoints: ["host-a:50051", "host-b:50051"]   # or one DNS name with several addresses
+        tls_ca: ca.pem
+        token_env: REWARDBOX_TOKEN
+
+Start-up asks every endpoint what it serves (which also proves the TLS and token settings: a wrong token, a missing
+CA or a plaintext client against a TLS service fails here, naming the problem, before any sample is scored). Each
+reward gets one replica per endpoint that serves it; the client spreads each batch over them, sets aside an
+endpoint that fails health and sends its unscored samples to the others (the ``shared`` replicas of
+:mod:`rewardbox.replica` and :mod:`rewardbox.client`). A DNS name with several addresses is balanced round-robin by
+gRPC itself; its dead addresses are skipped. Nothing is started or stopped here: the service owns its sandboxes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional, Sequence
+
+import grpc
+from pydantic import Field
+
+from ..errors import BackendError, ConfigError, TransportError
+from ..spec import RewardSpec
+from ..transport import Endpoint, GrpcTransport, Transport
+from .base import BackendSettings
+from .registry import BackendType
+
+log = logging.getLogger("rewardbox")
+
+PROBE_TIMEOUT_S = 10.0
+
+
+class RemoteSettings(BackendSettings):
+    """``sandbox.remote:``: the shared services (``rewardbox serve``) to score on."""
+
+    endpoints: list[str] = Field(default_factory=list, description="host:port of each `rewardbox serve` (or a DNS "
+                                 "name with several addresses, dns:///name:port)")
+    tls_ca: Optional[Path] = Field(default=None, description="PEM of the CA that signed the services' certificates; "
+                                   "unset: plaintext (loopback services only)")
+    tls_server_name: Optional[str] = Field(default=None, description="the name the services' certificates carry, "
+                                           "when it is not the endpoint's host")
+    token_env: Optional[str] = Field(default=None, description="environment variable holding the services' token")
+    max_wait_s: float = Field(default=600.0, ge=0, description="how long samples may wait for a reward's "
+                              "max_in_flight budget before they fall back to default_score")
+
+
+class RemoteSandbox:
+    """One endpoint of a shared service, as one replica of a reward. The service is not ours: it is never started,
+    restarted or stopped from here."""
+
+    shared = True
+
+    def __init__(self, name: str, endpoint: Endpoint, max_wait_s: float):
+        self.name = name
+        self._endpoint = endpoint
+        self.max_wait_s = max_wait_s
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return self._endpoint
+
+    def start(self) -> None:
+        pass
+
+    def alive(self) -> bool:
+        return True
+
+    def restart(self) -> None:
+        raise BackendError(f"{self.name}: a shared service is restarted by whoever runs it, not by its clients")
+
+    def stop(self) -> None:
+        pass
+
+    def logs(self, tail: int = 40) -> str:
+        return f"(the service's output is on the machine that runs it: {self._endpoint.target})"
+
+
+def _tcp_answers(target: str) -> bool:
+    """Whether something accepts TCP connections at ``host:port`` (to tell "nothing there" from "not our
+    protocol")."""
+    host, _, port = target.removeprefix("dns:///").rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+class RemoteBackend:
+    """Shared services, reached over gRPC with TLS and a token.
+
+    Raises:
+        ConfigError: no endpoints, or the CA file cannot be read.
+        BackendError: the token's environment variable is not set.
+    """
+
+    name = "remote"
+    isolated = True  # the services isolate reward code (hardened containers, by their own config)
+
+    def __init__(self, settings: Optional[RemoteSettings] = None, transport: Optional[Transport] = None):
+        self.settings = settings or RemoteSettings()
+        self.transport = transport or GrpcTransport()
+        if not self.settings.endpoints:
+            raise ConfigError("sandbox.remote.endpoints is empty: list the host:port of each `rewardbox serve`")
+        ca = None
+        if self.settings.tls_ca is not None:
+            try:
+                ca = Path(self.settings.tls_ca).read_bytes()
+            except OSError as e:
+                raise ConfigError(f"sandbox.remote.tls_ca: cannot read {self.settings.tls_ca}: {e.strerror}") from None
+        token = None
+        if self.settings.token_env:
+            token = os.environ.get(self.settings.token_env)
+            if not token:
+                raise BackendError(f"sandbox.remote.token_env names {self.settings.token_env}, which is not set: "
+                                   f"export {self.settings.token_env}=<the token the services were started with>")
+        self.endpoints = [Endpoint(t, ca, token, self.settings.tls_server_name) for t in self.settings.endpoints]
+        self.serves: dict[str, set[str]] = {}  # target -> reward names
+
+    def prepare(self, rewards: Sequence[RewardSpec]) -> None:
+        """Asks each endpoint what it serves.
+
+        Raises:
+            BackendError: an endpoint refused the token or the TLS settings, or none answers.
+            ConfigError: a reward is served by no endpoint.
+        """
+        with ThreadPoolExecutor(max_workers=min(16, len(self.endpoints))) as pool:
+            answers = list(pool.map(self._probe, self.endpoints))
+        unreachable = []
+        for endpoint, (served, problem) in zip(self.endpoints, answers):
+            if served is None:
+                unreachable.append(f"{endpoint.target} ({problem})")
+            else:
+                self.serves[endpoint.target] = served
+        if not self.serves:
+            raise BackendError("no endpoint of sandbox.remote.endpoints answers: " + "; ".join(unreachable) +
+                               ". Start `rewardbox serve` there, or fix the addresses.")
+        for line in unreachable:
+            log.warning("remote endpoint %s: left out; the others serve its rewards", line)
+        for reward in rewards:
+            if not any(reward.name in served for served in self.serves.values()):
+                offered = {t: sorted(s) for t, s in self.serves.items()}
+                raise ConfigError(f"reward {reward.name!r}: no endpoint serves it (they serve {offered}); add it "
+                                  "to the config of `rewardbox serve`, or remove it here")
+
+    def _probe(self, endpoint: Endpoint) -> tuple[Optional[set], str]:
+        """(the reward names it serves, "") or (None, why it is unreachable). Raises BackendError for a
+        misconfiguration that retrying cannot fix."""
+        connection = self.transport.connect(endpoint)
+        try:
+            reply = connection.describe(PROBE_TIMEOUT_S)
+        except TransportError as e:
+            problem = self._explain(endpoint, e)
+            if problem is not None:
+                raise BackendError(f"remote endpoint {endpoint.target}: {problem}") from None
+            return None, e.details or e.code.name
+        finally:
+            connection.close()
+        return {f.name for f in reply.functions}, ""
+
+    def _explain(self, endpoint: Endpoint, error: TransportError) -> Optional[str]:
+        """What the user must fix, or None when the endpoint is merely not there (yet)."""
+        details = (error.details or "").lower()
+        env = self.settings.token_env
+        if error.code == grpc.StatusCode.UNAUTHENTICATED:
+            if endpoint.token is None:
+                return ("the service requires a token, and none is sent: set sandbox.remote.token_env to the "
+                        "environment variable that holds it")
+            return (f"the service refused the token in ${env}: it must be the token `rewardbox serve` was started "
+                    f"with ({env} on that machine)")
+        if error.code != grpc.StatusCode.UNAVAILABLE:
+            return f"{error.code.name}: {error.details}"
+        if endpoint.root_certificates is not None and "wrong_version_number" in details:
+            return ("the endpoint speaks plaintext, not TLS: start `rewardbox serve` with --tls-cert and --tls-key "
+                    "(or, for a loopback service only, remove sandbox.remote.tls_ca)")
+        if endpoint.root_certificates is not None and any(
+                k in details for k in ("ssl", "tls", "handshake", "certificate", "wrong_version")):
+            return ("the TLS handshake failed: check that sandbox.remote.tls_ca is the CA that signed the service's "
+                    "certificate, that the certificate names this host (or set sandbox.remote.tls_server_name), "
+                    f"and that the service was started with --tls-cert ({error.details})")
+        if endpoint.root_certificates is None and _tcp_answers(endpoint.target):
+            return ("something answers there, but not plaintext gRPC: the service probably uses TLS; set "
+                    "sandbox.remote.tls_ca to the CA file that signed its certificate")
+        return None
+
+    def replica_count(self, reward: RewardSpec) -> int:
+        """One replica per endpoint that serves the reward (``replicas`` is the service's to set)."""
+        return sum(1 for served in self.serves.values() if reward.name in served)
+
+    def create(self, reward: RewardSpec, replica: int) -> RemoteSandbox:
+        endpoints = [e for e in self.endpoints if reward.name in self.serves.get(e.target, ())]
+        endpoint = endpoints[replica]
+        return RemoteSandbox(f"{reward.name}@{endpoint.target}", endpoint, self.settings.max_wait_s)
+
+    def close(self) -> None:
+        pass
+
+
+BACKEND = BackendType(
+    name="remote",
+    settings_type=RemoteSettings,
+    create=RemoteBackend,
+    isolated=True,
+    summary="shared services (`rewardbox serve`) over gRPC with TLS and a token; failover across endpoints",
+)

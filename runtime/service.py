@@ -1,0 +1,318 @@
+"""``rewardbox serve``: one authenticated gRPC endpoint in front of a config's sandboxes, shared by many trainers
+and ranks.
+
+The service starts the config's rewards exactly as a trainer would (:class:`~rewardbox.session.RewardSandboxes` on
+the configured backend: hardened containers by default) and answers the sandbox protocol itself (Load, Score,
+Describe, gRPC health and reflection), so a trainer reaches it with ``sandbox.backend: remote`` and nothing else
+changes:
+
+- **Score** goes to the reward's :class:`~rewardbox.client.RewardClient` here, which spreads it over the local
+  replicas with their deadlines, retries and recovery. Each sample comes back with its own status; a sample the
+  local sandboxes could not score comes back ``unavailable`` (never a fallback value), so the trainer's client tries
+  it on another service and applies its own ``default_score``.
+- **max_in_flight** (per reward) bounds the samples all clients together have running here. A request that finds
+  the budget full is refused with RESOURCE_EXHAUSTED; one that fits in part runs that part and returns the rest
+  ``deferred``. Clients send deferred samples again after a backoff (a batch-style call is admitted whole or not
+  at all: it is never split).
+- **Load** replaces the source of a reward this service serves (a trainer's edited file), keeping the service's
+  own settings (isolation, workers, limits); an unchanged source is not reloaded, so many ranks starting at once
+  cost nothing. Rewards the config does not name cannot be added.
+- **Auth**: a configured token is checked on every RPC (health and reflection included) in constant time; TLS
+  and a token are required unless the service listens on loopback only.
+- **Draining**: SIGTERM or SIGINT sets health NOT_SERVING and refuses new Score calls with UNAVAILABLE (clients move
+  their samples to other endpoints), lets the running ones finish, then stops the sandboxes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from .errors import ConfigError, RewardLoadError
+from .session import RewardSandboxes
+from .spec import RewardboxConfig, RewardSpec
+from .wire import GRPC_OPTIONS, SERVICE_NAME, VERSION, Status
+from .wire.pb import reward_pb2 as pb
+from .wire.pb import reward_pb2_grpc as pb_grpc
+
+log = logging.getLogger("rewardbox")
+
+TOKEN_ENV = "REWARDBOX_TOKEN"
+DRAIN_GRACE_S = 60.0
+_OK = Status.OK
+
+
+def is_loopback(listen: str) -> bool:
+    """Whether ``host:port`` binds loopback only (127.0.0.0/8, ::1 or localhost)."""
+    host = listen.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class ServiceSecurity:
+    """What clients must present: TLS (the server's certificate chain and key, PEM) and a bearer token."""
+
+    certificate: Optional[bytes] = None
+    private_key: Optional[bytes] = None
+    token: Optional[str] = None
+
+    @classmethod
+    def from_options(cls, listen: str, tls_cert: Optional[Path], tls_key: Optional[Path],
+                     token_env: str = TOKEN_ENV) -> "ServiceSecurity":
+        """Reads the files and the token, enforcing the rule: TLS and a token unless listening on loopback.
+
+        Raises:
+            ConfigError: naming the option, file or variable to fix.
+        """
+        if ":" not in listen or not listen.rsplit(":", 1)[1].isdigit():
+            raise ConfigError(f"--listen {listen!r}: expected HOST:PORT, e.g. 0.0.0.0:50051 or 127.0.0.1:50051")
+        if (tls_cert is None) != (tls_key is None):
+            raise ConfigError("--tls-cert and --tls-key go together: give both (the certificate chain and its key, "
+                              "PEM), or neither (loopback only)")
+        certificate = private_key = None
+        if tls_cert is not None:
+            certificate, private_key = _read(tls_cert, "--tls-cert"), _read(tls_key, "--tls-key")
+        token = os.environ.get(token_env) or None
+        if not is_loopback(listen):
+            missing = [what for what, have in (("TLS (--tls-cert and --tls-key)", certificate),
+                                               (f"a token (export {token_env}=...)", token)) if not have]
+            if missing:
+                raise ConfigError(f"--listen {listen}: other machines can reach this address, so the service needs "
+                                  f"{' and '.join(missing)}; or listen on 127.0.0.1 for this machine only")
+        return cls(certificate, private_key, token)
+
+    def describe(self) -> str:
+        return f"{'TLS' if self.certificate else 'plaintext'}, {'token' if self.token else 'no token'}"
+
+
+def _read(path: Path, option: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{option} {path}: cannot read it: {e.strerror}") from None
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every RPC, of any service, whose ``authorization`` metadata is not ``Bearer <token>``."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        presented = next((v for k, v in handler_call_details.invocation_metadata or () if k == "authorization"), "")
+        presented = presented.encode() if isinstance(presented, str) else presented
+        if hmac.compare_digest(presented, self._expected) or handler is None:
+            return handler
+        return _refusing(handler, "missing or wrong token: send the service's token (sandbox.remote.token_env)")
+
+
+def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as ``handler`` that aborts with UNAUTHENTICATED."""
+    async def unary(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def streaming(request_iterator, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - abort raises
+
+    kwargs = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(streaming, **kwargs)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(unary, **kwargs)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(streaming, **kwargs)
+    return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
+
+
+class Budget:
+    """Samples of one reward running at once, across every client (``max_in_flight``; None: no bound). Used from
+    the service's event loop only."""
+
+    def __init__(self, limit: Optional[int]):
+        self.limit = limit
+        self.in_flight = 0
+        self.peak = 0
+
+    def take(self, n: int, whole: bool) -> int:
+        """Admits up to ``n`` samples now; returns how many. ``whole``: all of them or none, except that a call
+        larger than the budget may run alone (it could never run otherwise)."""
+        if self.limit is None:
+            k = n
+        elif whole:
+            k = n if self.in_flight + n <= self.limit or self.in_flight == 0 else 0
+        else:
+            k = max(0, min(n, self.limit - self.in_flight))
+        self.in_flight += k
+        self.peak = max(self.peak, self.in_flight)
+        return k
+
+    def give(self, k: int) -> None:
+        self.in_flight -= k
+
+
+class RewardService(pb_grpc.RewardSandboxServicer):
+    """The sandbox protocol, answered by the sandboxes of a started :class:`RewardSandboxes`."""
+
+    def __init__(self, sandboxes: RewardSandboxes, health: Optional[HealthServicer] = None):
+        self.sandboxes = sandboxes
+        self.health = health
+        self.specs: dict[str, RewardSpec] = {r.name: r for r in sandboxes.config.rewards}
+        self.budgets = {name: Budget(spec.max_in_flight) for name, spec in self.specs.items()}
+        self.draining = False
+        self.active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._load_lock = asyncio.Lock()
+
+    def _served(self) -> str:
+        return ", ".join(self.specs)
+
+    async def Score(self, request: pb.ScoreRequest, context) -> pb.ScoreResponse:
+        started = time.monotonic()
+        name = request.function
+        if name not in self.specs:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"this service does not serve a reward named {name!r}; "
+                                f"it serves {self._served()}")
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the service is draining (shutting down)")
+        reward, budget = self.sandboxes[name], self.budgets[name]
+        n = len(request.samples)
+        admitted = budget.take(n, whole=reward.style == "batch")
+        if n and not admitted:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"reward {name!r}: max_in_flight={budget.limit} samples are running; send again later")
+        self.active += 1
+        self._idle.clear()
+        try:
+            state = request.trainer_state if request.has_trainer_state else None
+            report = await reward.client.score(list(request.samples[:admitted]), state)
+        finally:
+            budget.give(admitted)
+            self.active -= 1
+            if not self.active:
+                self._idle.set()
+        scores = []
+        for value, status, error in zip(report.values, report.statuses, report.errors):
+            if status is _OK:
+                scores.append(pb.Score(value=value, status=status.wire) if value is not None
+                              else pb.Score(status=status.wire))
+            else:  # the trainer's client applies its own default_score
+                scores.append(pb.Score(status=status.wire, error=error or ""))
+        deferred = pb.Score(status=Status.UNAVAILABLE.wire, deferred=True,
+                            error=f"max_in_flight={budget.limit} reached; not attempted")
+        scores.extend(deferred for _ in range(n - admitted))
+        return pb.ScoreResponse(scores=scores, logs=report.logs, metrics=pb.Metrics(
+            elapsed_ms=1000 * (time.monotonic() - started), workers_replaced=report.workers_replaced))
+
+    async def Load(self, request: pb.LoadRequest, context) -> pb.LoadResponse:
+        for fn in request.functions:
+            spec = self.specs.get(fn.name)
+            if spec is None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"this service does not serve a reward named {fn.name!r} (it serves "
+                                    f"{self._served()}); add it to the config of `rewardbox serve`")
+            style = "batch" if fn.style == pb.STYLE_BATCH else "sample"
+            if style != spec.style:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"reward {fn.name!r} is style {spec.style!r} on this service but {style!r} in "
+                                    "your config; use the same config on both sides")
+        infos = []
+        async with self._load_lock:  # ranks starting together send the same source: load it once
+            for fn in request.functions:
+                current = self.sandboxes.source(fn.name)
+                if (fn.source, fn.function) != (current.source, current.function):
+                    new = pb.FunctionSource()
+                    new.CopyFrom(current)  # the service's own settings: isolation, workers, warm, limits
+                    new.source, new.filename, new.function = fn.source, fn.filename, fn.function
+                    try:
+                        await asyncio.to_thread(self.sandboxes.load_source, fn.name, new)
+                    except RewardLoadError as e:
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                    log.warning("reward %s: a client loaded a new version (%s)", fn.name, fn.filename)
+                infos.append(self.sandboxes[fn.name].info)
+        return pb.LoadResponse(functions=[i for i in infos if i is not None])
+
+    async def Describe(self, request: pb.DescribeRequest, context) -> pb.DescribeResponse:
+        import platform
+        import sys
+
+        return pb.DescribeResponse(
+            server_version=VERSION, python_version=sys.version.split()[0], platform=platform.platform(),
+            functions=[r.info for r in self.sandboxes.rewards if r.info is not None])
+
+    async def drain(self, grace_s: float) -> None:
+        """Stops taking Score calls and waits (at most ``grace_s``) for the running ones."""
+        self.draining = True
+        if self.health is not None:
+            await self.health.enter_graceful_shutdown()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+
+
+async def serve(config: RewardboxConfig, listen: str, security: ServiceSecurity,
+                on_ready: Optional[Callable[[RewardSandboxes, int], None]] = None,
+                stop: Optional[asyncio.Event] = None, drain_grace_s: float = DRAIN_GRACE_S) -> None:
+    """Starts the config's sandboxes, serves them on ``listen`` until SIGTERM/SIGINT (or ``stop``), then drains
+    and stops everything.
+
+    Args:
+        on_ready: called with the started sandboxes and the bound port once the service answers.
+    Raises:
+        ConfigError, RewardLoadError, ImageBuildError, BackendError: start-up failed; nothing is left running.
+        OSError: the address cannot be bound.
+    """
+    sandboxes = RewardSandboxes(config)
+    await asyncio.to_thread(sandboxes.start)
+    try:
+        interceptors = [TokenInterceptor(security.token)] if security.token else []
+        server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
+        health = HealthServicer()
+        service = RewardService(sandboxes, health)
+        pb_grpc.add_RewardSandboxServicer_to_server(service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+        if security.certificate:
+            credentials = grpc.ssl_server_credentials([(security.private_key, security.certificate)])
+            port = server.add_secure_port(listen, credentials)
+        else:
+            port = server.add_insecure_port(listen)
+        if not port:
+            raise OSError(f"cannot listen on {listen}")
+        await server.start()
+        await health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        stop = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread (tests)
+                loop.add_signal_handler(sig, stop.set)
+        if on_ready is not None:
+            on_ready(sandboxes, port)
+        await stop.wait()
+        log.warning("rewardbox serve: draining (%d calls running)", service.active)
+        await service.drain(drain_grace_s)
+        await server.stop(grace=5)
+    finally:
+        await asyncio.to_thread(sandboxes.stop)
