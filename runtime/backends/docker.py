@@ -13,6 +13,7 @@ import os
 import random
 import socket
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -52,6 +53,37 @@ def sample_limits(reward: RewardSpec, slots: int, gvisor: bool) -> tuple[int, Op
     # Under runc the kernel's OOM killer takes the sample (oom_score_adj 1000); pids are the only shared budget. It
     # is shared by the samples running (workers) and by as many that just ended, whose leftovers are being killed.
     return max(MIN_SLOT_PROCESSES, (reward.pids - slots - OWN_PROCESSES) // (2 * max(1, reward.workers))), None
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """How one sandbox of a reward is divided: its slot uids and what each sample may use. The same for a
+    container (:meth:`DockerBackend.create`) and a Kubernetes pod (:mod:`rewardbox.kubernetes`)."""
+
+    slots: int  # slot uids (and scratch directories) of the sandbox
+    default_warm: int  # warm processes of a reward that sets none
+    sample_nproc: int  # RLIMIT_NPROC of each slot uid
+    sample_memory: Optional[int]  # RLIMIT_AS of each slot process (gVisor), else None
+
+
+def slot_plan(reward: RewardSpec, runtime: Optional[str]) -> SlotPlan:
+    """The slots and per-sample limits of one sandbox of ``reward`` under container runtime ``runtime``.
+
+    Raises:
+        ConfigError: ``pids`` leaves too little room for the slots, naming the reward and the value to set.
+    """
+    gvisor = is_gvisor(runtime)
+    default_warm = GVISOR_WARM if gvisor else DEFAULT_WARM
+    per_version = sandbox_slots(reward.isolation, reward.workers, reward.warm or default_warm)
+    # Two versions of the function may run at once (a reload's new one while the old one finishes).
+    slots = 2 * per_version
+    needed = slots + 2 * reward.workers * MIN_SLOT_PROCESSES + OWN_PROCESSES
+    if reward.pids < needed:
+        raise ConfigError(f"reward {reward.name!r}: pids: {reward.pids} leaves too little room for its "
+                          f"{per_version} slot processes (warm/workers) and what each sample may fork; set "
+                          f"pids to at least {needed}, or lower warm")
+    nproc, sample_memory = sample_limits(reward, slots, gvisor)
+    return SlotPlan(slots=slots, default_warm=default_warm, sample_nproc=nproc, sample_memory=sample_memory)
 
 
 class DockerSettings(BackendSettings):
@@ -135,16 +167,7 @@ class DockerBackend:
         if image is None:
             raise BackendError(f"reward {reward.name!r}: no image was prepared for its packages")
         uid = os.getuid()
-        default_warm = GVISOR_WARM if is_gvisor(self.settings.runtime) else DEFAULT_WARM
-        per_version = sandbox_slots(reward.isolation, reward.workers, reward.warm or default_warm)
-        # Two versions of the function may run at once (a reload's new one while the old one finishes).
-        slots = 2 * per_version
-        needed = slots + 2 * reward.workers * MIN_SLOT_PROCESSES + OWN_PROCESSES
-        if reward.pids < needed:
-            raise ConfigError(f"reward {reward.name!r}: pids: {reward.pids} leaves too little room for its "
-                              f"{per_version} slot processes (warm/workers) and what each sample may fork; set "
-                              f"pids to at least {needed}, or lower warm")
-        nproc, sample_memory = sample_limits(reward, slots, is_gvisor(self.settings.runtime))
+        plan = slot_plan(reward, self.settings.runtime)
         # RLIMIT_NPROC counts a uid's processes across the host: each container draws uids of its own.
         first = SLOT_UID_BASE + 1024 * self._uid_blocks.randrange(1, 1 << 20)
         spec = ContainerSpec(
@@ -152,7 +175,7 @@ class DockerBackend:
             name=f"rewardbox-{self.run_id}-{reward.name}-{replica}",
             # The host reaches the socket as the server's uid: the host user itself, or nobody for a root host.
             server_uid=NOBODY if uid == 0 else uid,
-            slot_uids=(first, slots),
+            slot_uids=(first, plan.slots),
             labels={
                 LABEL: "1",
                 f"{LABEL}.run": self.run_id,
@@ -168,9 +191,9 @@ class DockerBackend:
             tmpfs_size=self.settings.tmpfs_size,
             shared_memory=reward.isolation == "worker",
             runtime=self.settings.runtime,
-            default_warm=default_warm,
-            sample_nproc=nproc,
-            sample_memory=sample_memory,
+            default_warm=plan.default_warm,
+            sample_nproc=plan.sample_nproc,
+            sample_memory=plan.sample_memory,
         )
         return DockerSandbox(self.client, spec, name=f"{reward.name}-{replica}")
 
