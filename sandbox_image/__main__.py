@@ -31,6 +31,8 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--server-uid", type=int, default=None, help="drop to this uid after starting the supervisor")
     parser.add_argument("--slot-uids", default=None, help="uids for slot processes, e.g. 100000-100063 (each with a "
                                                           "tmpfs at /tmp/slot-<uid>); none: the local backend")
+    parser.add_argument("--slot-root", default=None, help="make each slot's scratch directory under this directory "
+                        "(a Kubernetes emptyDir) instead of expecting a tmpfs at /tmp/slot-<uid>")
     parser.add_argument("--sample-nproc", type=int, default=None, help="RLIMIT_NPROC of each slot uid")
     parser.add_argument("--sample-memory", type=int, default=None, help="RLIMIT_AS of each slot process, bytes")
     parser.add_argument("--atomic-kill", action="store_true", help="the kernel is Linux's (runc, crun, kata): "
@@ -39,8 +41,10 @@ def main(argv: Optional[list] = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s sandbox %(levelname)s %(message)s")
     if args.slot_uids:
-        pool = supervisor_module.SlotPool(uids=supervisor_module.parse_uids(args.slot_uids),
-                                         atomic_kill=args.atomic_kill)
+        uids = supervisor_module.parse_uids(args.slot_uids)
+        if args.slot_root:
+            supervisor_module.make_slot_dirs(args.slot_root, uids)
+        pool = supervisor_module.SlotPool(uids=uids, root=args.slot_root or "", atomic_kill=args.atomic_kill)
     else:
         pool = supervisor_module.local_pool(os.environ.get("REWARDBOX_STATE_DIR"))
     pid, sock = supervisor_module.start(pool)

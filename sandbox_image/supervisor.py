@@ -18,6 +18,7 @@ import os
 import selectors
 import signal
 import socket
+import stat
 import tempfile
 from dataclasses import dataclass
 from typing import Optional
@@ -42,13 +43,51 @@ class SlotPool:
     """Where slots come from: dedicated uids with their tmpfs (docker), or directories under ``root`` (local)."""
 
     uids: tuple = ()  # empty: the local backend
-    root: str = ""
+    root: str = ""  # local backend: where slot directories go; with uids: see make_slot_dirs
     atomic_kill: bool = False  # see SlotSpec
 
     def specs(self) -> list:
+        if self.uids and self.root:
+            return [(uid, os.path.join(self.root, f"slot-{uid}")) for uid in self.uids]
         if self.uids:
             return [(uid, f"{SLOT_DIR_PREFIX}{uid}") for uid in self.uids]
         return [(None, os.path.join(self.root, f"slot-{i}")) for i in range(256)]
+
+
+def make_slot_dirs(root: str, uids: tuple) -> None:
+    """Where no per-slot tmpfs can be mounted (a Kubernetes pod: ``--slot-root``), makes each ``root/slot-<uid>``
+    as that uid with mode 0700 (a child per uid: root holds no CAP_CHOWN), then ``root`` (an emptyDir, owned by
+    root and world-writable as the kubelet makes it) 0711, so no sample can create, rename or remove anything in
+    it. Runs as root before anything else: no sample process exists yet (an emptyDir outlives a restart of the
+    container, its processes do not).
+
+    Raises:
+        OSError: ``root`` is not ours to change, or a slot directory exists with another owner.
+    """
+    os.chmod(root, 0o777)  # as its owner (no CAP_FOWNER needed): the uids below create their directories
+    for uid in uids:
+        path = os.path.join(root, f"slot-{uid}")
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.setgroups([])
+                os.setresgid(uid, uid, uid)
+                os.setresuid(uid, uid, uid)
+                try:
+                    os.mkdir(path, 0o700)
+                except FileExistsError:  # the pod's emptyDir outlives a restart of the container
+                    info = os.lstat(path)
+                    if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid:
+                        raise
+                    os.chmod(path, 0o700)
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        if status != 0:
+            raise OSError(f"cannot make the slot directory {path} as uid {uid}")
+    os.chmod(root, 0o711)  # also clears the setgid bit an fsGroup sets
 
 
 def parse_uids(text: str) -> tuple:

@@ -67,6 +67,10 @@ class ContainerSpec:
     default_warm: Optional[int] = None
     sample_nproc: Optional[int] = None  # RLIMIT_NPROC of each slot uid
     sample_memory: Optional[int] = None  # RLIMIT_AS of each slot process, in bytes (gVisor)
+    # Where no tmpfs can be mounted per slot (a Kubernetes pod): the slots' directories are made under this one
+    # directory (mode 0711, root's) by the sandbox itself. In Docker it is one tmpfs, world-writable as a pod's
+    # emptyDir is, so a container can stand in for a pod in tests.
+    slot_root: Optional[str] = None
 
     def server_command(self) -> list:
         if self.command is not None:
@@ -77,6 +81,8 @@ class ContainerSpec:
             command += ["--slot-uids", f"{first}-{first + count - 1}"]
             if not is_gvisor(self.runtime):  # a Linux kernel: kill(-1) cannot race fork (see slot.kill_uid)
                 command.append("--atomic-kill")
+        if self.slot_root:
+            command += ["--slot-root", self.slot_root]
         if self.sample_nproc:
             command += ["--sample-nproc", str(self.sample_nproc)]
         if self.sample_memory:
@@ -95,6 +101,8 @@ class ContainerSpec:
 
     def slot_tmpfs(self) -> dict:
         first, count = self.slot_uids or (0, 0)
+        if self.slot_root:
+            return {self.slot_root: f"rw,nosuid,nodev,size={self.tmpfs_size},mode=0777"}
         return {f"{SLOT_DIR_PREFIX}{uid}": f"rw,nosuid,nodev,size={self.tmpfs_size},mode=0700,uid={uid},gid={uid}"
                 for uid in range(first, first + count)}
 

@@ -35,7 +35,7 @@ log = logging.getLogger("rewardbox")
 ENTRY_POINT_GROUP = "rewardbox.backends"
 AUTO = "auto"
 _BUILTIN = {"docker": "rewardbox.backends.docker:BACKEND", "local": "rewardbox.backends.local:BACKEND",
-            "remote": "rewardbox.backends.remote:BACKEND"}
+            "remote": "rewardbox.backends.remote:BACKEND", "attached": "rewardbox.backends.attached:BACKEND"}
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 # Keys of the sandbox section itself: no backend may take one of these names for its section.
 _RESERVED = {AUTO, "backend", "start_timeout_s", "rpc_grace_s", "backoff_initial_s", "backoff_max_s"}

@@ -1,0 +1,211 @@
+"""``rewardbox serve`` and ``backend: remote`` on loopback: real services (separate processes), real gRPC with TLS
+and a token, real sandboxes behind them."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from typer.testing import CliRunner
+
+from rewardbox import BackendError, ConfigError, RewardLoadError, build_samples
+from rewardbox.cli import app
+from rewardbox.wire.pb import reward_pb2 as pb
+from rewardbox.wire.pb import reward_pb2_grpc as pb_grpc
+from tests.remote.conftest import TOKEN
+
+EXACT = """
+import os, time
+
+def exact(prompt, completion, example):
+    time.sleep(0.02)
+    print("who=" + os.environ.get("WHO", "?"))
+    return len(completion) * 0.5 + int(prompt)
+"""
+
+COUNTED = """
+import fcntl, os, time
+
+def _update(delta):
+    with open(os.path.join(os.environ["COUNT_DIR"], "count"), "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        now, peak = (list(map(int, f.read().split())) or [0, 0])
+        now += delta
+        f.seek(0)
+        f.truncate()
+        f.write(f"{now} {max(peak, now)}")
+
+def counted(prompt, completion, example):
+    _update(1)
+    try:
+        time.sleep(0.15)
+    finally:
+        _update(-1)
+    return float(prompt)
+"""
+
+
+def batch(start: int, n: int):
+    prompts = [str(i) for i in range(start, start + n)]
+    completions = ["x" * (i % 7) for i in range(start, start + n)]
+    return build_samples(prompts, completions, {}), [len(c) * 0.5 + int(p) for p, c in zip(prompts, completions)]
+
+
+def test_samples_spread_over_two_tls_services_and_none_is_lost_when_one_is_killed(serve, client, certs):
+    a = serve([{"name": "exact", "code": EXACT, "env": {"WHO": "a"}}], tls=certs, token=TOKEN, name="a")
+    b = serve([{"name": "exact", "code": EXACT, "env": {"WHO": "b"}}], tls=certs, token=TOKEN, name="b")
+    s = client([{"name": "exact", "code": EXACT}], [a.target, b.target], tls_ca=certs.ca, token=TOKEN)
+    assert [r.name for r in s.replicas["exact"]] == [f"exact@{a.target}", f"exact@{b.target}"]
+
+    batches = [batch(64 * k, 64) for k in range(6)]  # 384 samples, about 3 s of work for the two services
+    killed_at = []
+
+    def kill_a():
+        time.sleep(1.0)
+        a.kill()
+        killed_at.append(time.monotonic())
+
+    async def score_all():
+        return await asyncio.gather(*(s["exact"].client.score(samples) for samples, _ in batches))
+
+    killer = threading.Thread(target=kill_a)
+    killer.start()
+    reports = asyncio.run(score_all())
+    finished = time.monotonic()
+    killer.join()
+
+    assert killed_at and killed_at[0] < finished, "service a must die while samples are being scored"
+    for report, (_, expected) in zip(reports, batches):
+        assert report.statuses == ["ok"] * 64, [e for e in report.errors if e]
+        assert report.values == expected
+    logs = "".join(r.logs for r in reports)
+    assert "who=a" in logs and "who=b" in logs  # both served until a died
+    assert s.replicas["exact"][0].down_since is not None  # a is set aside; b took over its samples
+
+
+def test_wrong_token_missing_token_and_plaintext_to_tls_fail_at_start_naming_the_problem(serve, client, certs):
+    a = serve([{"name": "exact", "code": EXACT}], tls=certs, token=TOKEN)
+    reward = [{"name": "exact", "code": EXACT}]
+    with pytest.raises(BackendError, match=r"refused the token in \$RBX_TEST_TOKEN"):
+        client(reward, [a.target], tls_ca=certs.ca, token="not-the-token", name="c1")
+    with pytest.raises(BackendError, match=r"requires a token, and none is sent: set sandbox.remote.token_env"):
+        client(reward, [a.target], tls_ca=certs.ca, name="c2")
+    with pytest.raises(BackendError, match=r"not plaintext gRPC: the service probably uses TLS; set "
+                                           r"sandbox.remote.tls_ca"):
+        client(reward, [a.target], token=TOKEN, name="c3")
+    with pytest.raises(BackendError, match=r"TLS handshake failed: check that sandbox.remote.tls_ca is the CA"):
+        client(reward, [a.target], tls_ca=certs.other_ca, token=TOKEN, name="c4")
+    with pytest.raises(ConfigError, match=r"sandbox.remote.tls_ca: cannot read .*missing.pem"):
+        client(reward, [a.target], tls_ca=certs.ca.parent / "missing.pem", token=TOKEN, name="c5")
+    with pytest.raises(ConfigError, match=r"reward 'other': no endpoint serves it"):
+        client([*reward, {"name": "other", "code": EXACT.replace("def exact", "def other")}], [a.target],
+               tls_ca=certs.ca, token=TOKEN, name="c6")
+    assert "a client loaded" not in "".join(a.output)  # nothing got as far as loading, let alone scoring
+
+
+def test_tls_client_against_a_plaintext_service_names_the_problem(serve, client, certs):
+    a = serve([{"name": "exact", "code": EXACT}])
+    with pytest.raises(BackendError, match=r"speaks plaintext, not TLS"):
+        client([{"name": "exact", "code": EXACT}], [a.target], tls_ca=certs.ca)
+
+
+def test_the_token_is_checked_on_every_rpc_health_and_reflection_included(serve, certs):
+    a = serve([{"name": "exact", "code": EXACT}], tls=certs, token=TOKEN)
+    credentials = grpc.ssl_channel_credentials(certs.ca.read_bytes())
+    reflect = reflection_pb2.ServerReflectionRequest(list_services="")
+    with grpc.secure_channel(a.target, credentials) as channel:
+        calls = {
+            "health": lambda md: health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=10, metadata=md),
+            "reflection": lambda md: list(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter([reflect]), timeout=10, metadata=md)),
+            "score": lambda md: pb_grpc.RewardSandboxStub(channel).Score(
+                pb.ScoreRequest(function="exact", samples=batch(0, 1)[0]), timeout=10, metadata=md),
+            "load": lambda md: pb_grpc.RewardSandboxStub(channel).Load(pb.LoadRequest(), timeout=10, metadata=md),
+        }
+        for name, call in calls.items():
+            for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", TOKEN),)):
+                with pytest.raises(grpc.RpcError) as refused:
+                    call(metadata)
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+        good = (("authorization", f"Bearer {TOKEN}"),)
+        assert calls["health"](good).status == health_pb2.HealthCheckResponse.SERVING
+        services = calls["reflection"](good)[0].list_services_response.service
+        assert "rewardbox.v1.RewardSandbox" in {s.name for s in services}
+        assert calls["score"](good).scores[0].value == 0.0
+
+
+def test_max_in_flight_holds_for_all_clients_together_as_the_reward_itself_observes(serve, client, tmp_path):
+    counted = {"name": "counted", "code": COUNTED, "workers": 4}
+    figures = {}
+    for name, budget in (("limited", {"max_in_flight": 3}), ("unlimited", {})):
+        folder = tmp_path / f"count-{name}"
+        folder.mkdir()
+        service = serve([{**counted, "env": {"COUNT_DIR": str(folder)}, **budget}], name=name)
+        ranks = [client([{"name": "counted", "code": COUNTED}], [service.target], name=f"{name}-rank{i}")
+                 for i in range(2)]
+
+        async def both():
+            return await asyncio.gather(*(rank["counted"].client.score(
+                build_samples([str(i) for i in range(24)], ["c"] * 24, {})) for rank in ranks))
+
+        reports = asyncio.run(both())
+        for report in reports:
+            assert report.statuses == ["ok"] * 24 and report.values == [float(i) for i in range(24)]
+        now, peak = map(int, (folder / "count").read_text().split())
+        figures[name] = (now, peak)
+    assert figures["limited"] == (0, 3)  # never more than 3 at once, and the budget was used
+    assert figures["unlimited"][1] > 3  # without it, the same load runs more at once
+
+
+def test_a_reward_edited_mid_run_is_reloaded_remotely_for_every_client(serve, client, tmp_path):
+    v1 = "def versioned(prompt, completion, example):\n    return 1.0\n"
+    service = serve([{"name": "versioned", "code": v1}])
+    rank0 = client([{"name": "versioned", "code": v1}], [service.target], name="rank0")
+    rank1 = client([{"name": "versioned", "code": v1}], [service.target], name="rank1")
+    samples = build_samples(["p"] * 3, ["a", "b", "c"], {})
+    assert asyncio.run(rank0["versioned"].client.score(samples)).values == [1.0] * 3
+    assert "a client loaded a new version" not in "".join(service.output)  # same source at start: no reload
+
+    source = tmp_path / "rank0" / "rewards" / "versioned.py"
+    source.write_text(v1.replace("1.0", "2.0"))
+    rank0.reload("versioned")
+    assert asyncio.run(rank0["versioned"].client.score(samples)).values == [2.0] * 3
+    assert asyncio.run(rank1["versioned"].client.score(samples)).values == [2.0] * 3  # one service, one version
+
+    source.write_text("def versioned(prompt, completion, example):\n    return (\n")
+    with pytest.raises(RewardLoadError, match=r"versioned\.py:2: SyntaxError"):
+        rank0.reload("versioned")
+    assert asyncio.run(rank1["versioned"].client.score(samples)).values == [2.0] * 3  # the last good one serves
+
+
+def test_a_draining_service_sends_its_clients_elsewhere(serve, client):
+    import signal
+
+    a = serve([{"name": "exact", "code": EXACT, "env": {"WHO": "a"}}], name="a")
+    b = serve([{"name": "exact", "code": EXACT, "env": {"WHO": "b"}}], name="b")
+    s = client([{"name": "exact", "code": EXACT}], [a.target, b.target])
+    a.kill(signal.SIGTERM)
+    assert "draining" in "".join(a.output) and "stopped; all sandboxes were removed" in "".join(a.output)
+    samples, expected = batch(0, 64)
+    report = asyncio.run(s["exact"].client.score(samples))
+    assert report.statuses == ["ok"] * 64 and report.values == expected
+    assert "who=b" in report.logs and "who=a" not in report.logs
+
+
+def test_serve_refuses_a_reachable_address_without_tls_and_a_token(tmp_path, monkeypatch):
+    monkeypatch.delenv("REWARDBOX_TOKEN", raising=False)
+    (tmp_path / "r.py").write_text("def r(prompt, completion, example):\n    return 1.0\n")
+    (tmp_path / "c.yaml").write_text("sandbox: {backend: local}\nrewards: [{name: r, source: r.py}]\n")
+    result = CliRunner().invoke(app, ["serve", str(tmp_path / "c.yaml"), "--listen", "0.0.0.0:50999"])
+    assert result.exit_code == 2
+    assert "needs TLS (--tls-cert and --tls-key) and a token (export REWARDBOX_TOKEN=...)" in result.output
+    result = CliRunner().invoke(app, ["serve", str(tmp_path / "c.yaml"), "--listen", "0.0.0.0:50999",
+                                      "--tls-cert", str(tmp_path / "r.py")])
+    assert result.exit_code == 2 and "--tls-cert and --tls-key go together" in result.output
