@@ -30,3 +30,7 @@ class TransportError(RewardboxError):
         super().__init__(f"{code.name}: {details}" if details else code.name)
         self.code = code
         self.details = details
+
+
+class ImagePushError(RewardboxError):
+    """An image could not be pushed: the registry did not answer or refused it (the registry and image named)."""

@@ -7,6 +7,10 @@ A second build with nothing changed finds the tag and never calls the engine's b
 
 The image gets the sandbox side of rewardbox only: ``rewardbox.sandbox`` and ``rewardbox.wire``, copied from
 wherever this package is installed (a checkout or a wheel), under a ``rewardbox/__init__.py`` of its own.
+
+The service image (``rewardbox-service``: ``rewardbox serve``, the gateway container of a Kubernetes pod) is built
+the same way, offline from a wheelhouse, with the whole of rewardbox but the trainer and rewardbox's own runtime
+dependencies. :meth:`ImageBuilder.push` sends either kind to a registry.
 """
 
 from __future__ import annotations
@@ -28,11 +32,12 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import docker
 import docker.errors
+from packaging.requirements import Requirement
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .base_image import BaseImageResolver
-from .errors import ImageBuildError
+from .errors import ConfigError, ImageBuildError, ImagePushError
 from .spec import RewardSpec, is_local_package
 from .wire import VERSION
 
@@ -48,6 +53,15 @@ IMAGE_PACKAGES = ("rewardbox.sandbox", "rewardbox.wire")
 # The image's rewardbox/__init__.py: the host's own would name host modules the image does not have.
 IMAGE_INIT = (f'"""rewardbox {VERSION}, sandbox side: rewardbox.sandbox and rewardbox.wire."""\n\n'
               f'__version__ = "{VERSION}"\n')
+SERVICE_REPO = "rewardbox-service"
+# What goes into the service image: every package of rewardbox but the trainer (it needs the train extra), each
+# package's own files (a wheel nests the subpackages inside rewardbox/, a checkout maps them from other folders).
+SERVICE_PACKAGES = ("rewardbox", "rewardbox.backends", "rewardbox.sandbox", "rewardbox.wire", "rewardbox.wire.pb")
+SERVICE_DOCKERFILE = "Dockerfile.service"
+# A registry as `rewardbox build --push --registry` takes it: host[:port], then path components (no scheme, no tag).
+_REGISTRY = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)*$")
+# Push progress lines that repeat per layer and per chunk; the others (pushed, exists, digest) are shown.
+_PUSH_NOISE = {"Preparing", "Waiting", "Pushing"}
 _STEP = re.compile(r"^Step (\d+)/(\d+) : (.*)")
 _PROBE = (
     "import json, platform, sys; "
@@ -125,8 +139,28 @@ def package_dir(name: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations))).resolve()
 
 
+def service_requirements() -> list[str]:
+    """``rewardbox serve``'s dependencies: rewardbox's own (``[project].dependencies``, not the extras), pinned to
+    the host's versions.
+
+    Raises:
+        ImageBuildError: rewardbox is not installed as a distribution (its requirements are unknown).
+    """
+    try:
+        required = metadata.requires("rewardbox") or []
+    except metadata.PackageNotFoundError:
+        raise ImageBuildError("rewardbox is not installed as a distribution, so the service image's dependencies "
+                              "are unknown: install it (`pip install -e .` in a checkout)") from None
+    names = [Requirement(r).name for r in required if Requirement(r).marker is None]
+    return [f"{name}=={metadata.version(name)}" for name in names]
+
+
 def dockerfile() -> Path:
     return package_dir("rewardbox.sandbox") / "Dockerfile"
+
+
+def service_dockerfile() -> Path:
+    return package_dir("rewardbox") / SERVICE_DOCKERFILE
 
 
 def image_files() -> dict[str, Path]:
@@ -143,17 +177,69 @@ def image_files() -> dict[str, Path]:
     return files
 
 
-def content_hash(base_id: str, target: ImageTarget, requirements: Sequence[str], pip_args: Sequence[str]) -> str:
-    """sha256 over the base image id, its target, the requirements, pip arguments, Dockerfile and server code."""
+def service_files() -> dict[str, Path]:
+    """What of rewardbox goes into the service image, by its path under the image's ``rewardbox/`` folder: the
+    modules, stubs and ``py.typed`` of SERVICE_PACKAGES (with the package's own ``__init__.py`` and ``__main__.py``,
+    so ``python3 -m rewardbox serve`` works there)."""
+    files = {}
+    for name in SERVICE_PACKAGES:
+        root = package_dir(name)
+        prefix = "".join(f"{part}/" for part in name.split(".")[1:])
+        for path in sorted(root.iterdir()):
+            if path.is_file() and (path.suffix in (".py", ".pyi") or path.name == "py.typed") \
+                    and path.name != "protogen.py":
+                files[f"{prefix}{path.name}"] = path
+    return files
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    """What one kind of image is made of."""
+
+    repo: str
+    dockerfile: Path
+    files: dict  # path under the image's rewardbox/ -> the file here
+    init: Optional[str]  # the image's own rewardbox/__init__.py; None: the package's own, among ``files``
+    requirements: list  # the pinned distributions its code needs
+
+
+def _sandbox_recipe() -> _Recipe:
+    return _Recipe(IMAGE_REPO, dockerfile(), image_files(), IMAGE_INIT, server_requirements())
+
+
+def _service_recipe() -> _Recipe:
+    return _Recipe(SERVICE_REPO, service_dockerfile(), service_files(), None, service_requirements())
+
+
+def content_hash(base_id: str, target: ImageTarget, requirements: Sequence[str], pip_args: Sequence[str],
+                 recipe: Optional[_Recipe] = None) -> str:
+    """sha256 over the base image id, its target, the requirements, pip arguments, Dockerfile and code of an image
+    (by default a sandbox image)."""
+    recipe = recipe or _sandbox_recipe()
     h = hashlib.sha256()
     h.update(json.dumps({"base": base_id, "target": asdict(target), "requirements": sorted(requirements),
                          "pip_args": list(pip_args)}, sort_keys=True).encode())
-    h.update(IMAGE_INIT.encode())
-    h.update(dockerfile().read_bytes())
-    for relative, path in image_files().items():
+    if recipe.init is not None:
+        h.update(recipe.init.encode())
+    h.update(recipe.dockerfile.read_bytes())
+    for relative, path in recipe.files.items():
         h.update(relative.encode())
         h.update(path.read_bytes())
     return h.hexdigest()
+
+
+def registry_reference(registry: str, tag: str) -> str:
+    """Where image ``tag`` (``rewardbox-sandbox:<hash>``) goes in ``registry`` (``host[:port][/path]``): the name
+    ``rewardbox build --push`` pushes and ``rewardbox deploy`` references.
+
+    Raises:
+        ConfigError: ``registry`` is not ``host[:port][/path]``.
+    """
+    registry = registry.rstrip("/")
+    if not _REGISTRY.match(registry):
+        raise ConfigError(f"--registry {registry!r}: expected HOST[:PORT][/PATH] without a scheme or a tag, e.g. "
+                          "registry.example.com:5000/team (path components lower-case)")
+    return f"{registry}/{tag}"
 
 
 class ImageBuilder:
@@ -199,12 +285,14 @@ class ImageBuilder:
     def tag_for(self, base_image: str, packages: Sequence[str], pip_args: Sequence[str] = ()) -> str:
         return self._identity(self.base_images.resolve(base_image), packages, pip_args)[0]
 
-    def _identity(self, base_image: str, packages: Sequence[str], pip_args: Sequence[str]) -> tuple:
+    def _identity(self, base_image: str, packages: Sequence[str], pip_args: Sequence[str],
+                  recipe: Optional[_Recipe] = None) -> tuple:
         """(tag, target) for a concrete base image: it is looked up once for both."""
+        recipe = recipe or _sandbox_recipe()
         base_id = self.base_image_id(base_image)
         target = self.target(base_image, base_id)
-        digest = content_hash(base_id, target, [*server_requirements(), *_content_keys(packages)], pip_args)
-        return f"{IMAGE_REPO}:{digest[:20]}", target
+        digest = content_hash(base_id, target, [*recipe.requirements, *_content_keys(packages)], pip_args, recipe)
+        return f"{recipe.repo}:{digest[:20]}", target
 
     def ensure_images(self, rewards: Sequence[RewardSpec], settings: "DockerSettings",
                       force: bool = False) -> dict[tuple, tuple[str, list[str]]]:
@@ -230,8 +318,27 @@ class ImageBuilder:
         Raises:
             ImageBuildError: a package cannot be resolved for the image (named, with the rewards that need it).
         """
-        base_image = self.base_images.resolve(base_image)
-        tag, target = self._identity(base_image, packages, pip_args)
+        return self._ensure(_sandbox_recipe(), self.base_images.resolve(base_image), packages, pip_args, owners,
+                            force)
+
+    # -- service image ------------------------------------------------------------------------------------------
+    def service_tag_for(self, base_image: str, pip_args: Sequence[str] = ()) -> str:
+        """The tag of the service image on ``base_image`` (may be ``auto``), without building it."""
+        return self._identity(self.base_images.resolve(base_image), (), pip_args, _service_recipe())[0]
+
+    def ensure_service(self, settings: "DockerSettings", force: bool = False) -> str:
+        """Returns the tag of the service image (``rewardbox serve``) on the sandbox images' base image, building it
+        only when no such image exists.
+
+        Raises:
+            ImageBuildError: a dependency has no wheel for the base image's Python (named).
+        """
+        return self._ensure(_service_recipe(), self.base_images.resolve(settings.base_image), (), settings.pip_args,
+                            (), force)
+
+    def _ensure(self, recipe: _Recipe, base_image: str, packages: Sequence[str], pip_args: Sequence[str],
+                owners: Sequence[str], force: bool) -> str:
+        tag, target = self._identity(base_image, packages, pip_args, recipe)
         if not force:
             try:
                 self.client.images.get(tag)
@@ -240,20 +347,62 @@ class ImageBuilder:
                 pass
         with tempfile.TemporaryDirectory(prefix="rbx-build-") as ctx:
             context = Path(ctx)
-            self._wheelhouse(target, list(packages), list(pip_args), context / "wheels", owners)
+            self._wheelhouse(target, list(packages), list(pip_args), context / "wheels", owners, recipe.requirements)
             package = context / "server" / "rewardbox"
             package.mkdir(parents=True)
-            (package / "__init__.py").write_text(IMAGE_INIT)
-            for relative, path in image_files().items():
+            if recipe.init is not None:
+                (package / "__init__.py").write_text(recipe.init)
+            for relative, path in recipe.files.items():
                 (package / relative).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy(path, package / relative)
-            shutil.copy(dockerfile(), context / "Dockerfile")
+            shutil.copy(recipe.dockerfile, context / "Dockerfile")
             self._build(context, tag, base_image)
         return tag
 
+    # -- registry -----------------------------------------------------------------------------------------------
+    def push(self, tag: str, registry: str) -> str:
+        """Tags image ``tag`` as ``registry/tag`` and pushes it with the engine (its credentials: `docker login`),
+        streaming progress to ``on_output``. Returns the pushed reference.
+
+        Raises:
+            ConfigError: ``registry`` is not ``host[:port][/path]``.
+            ImagePushError: ``tag`` does not exist, or the registry refused it or did not answer (both named).
+        """
+        reference = registry_reference(registry, tag)
+        repository, _, version = reference.rpartition(":")
+        try:
+            self.client.images.get(tag).tag(repository, version)
+        except docker.errors.ImageNotFound:
+            raise ImagePushError(f"image {tag} does not exist here: build it first (`rewardbox build CONFIG`)") \
+                from None
+        except docker.errors.APIError as e:
+            raise ImagePushError(f"cannot tag {tag} as {reference}: {e.explanation or e}") from e
+        self.on_output(f"pushing {reference}")
+        try:
+            for chunk in self.client.api.push(repository, tag=version, stream=True, decode=True):
+                if "error" in chunk:
+                    raise ImagePushError(_push_failure(reference, registry, chunk["error"]))
+                status = chunk.get("status")
+                if status and status not in _PUSH_NOISE:
+                    self.on_output(f"{chunk['id']}: {status}" if chunk.get("id") else status)
+        except docker.errors.APIError as e:
+            self._untag(reference)
+            raise ImagePushError(_push_failure(reference, registry, e.explanation or str(e))) from e
+        except ImagePushError:
+            self._untag(reference)  # the alias was made for this push only
+            raise
+        return reference
+
+    def _untag(self, reference: str) -> None:
+        try:
+            self.client.images.remove(reference, noprune=True)
+        except docker.errors.APIError:
+            pass
+
     def _wheelhouse(self, target: ImageTarget, packages: list[str], pip_args: list[str], dest: Path,
-                    owners: Sequence[str]) -> None:
-        remote = [*server_requirements(), *(p for p in packages if not is_local_package(p))]
+                    owners: Sequence[str], requirements: Optional[Sequence[str]] = None) -> None:
+        base = server_requirements() if requirements is None else list(requirements)
+        remote = [*base, *(p for p in packages if not is_local_package(p))]
         local = [p for p in packages if is_local_package(p)]
         key_material = [asdict(target), sorted(remote), sorted(_content_keys(local)), pip_args]
         key = hashlib.sha256(json.dumps(key_material).encode()).hexdigest()[:20]
@@ -324,6 +473,13 @@ class ImageBuilder:
                 if step:
                     progress.update(task, completed=int(step[1]) - 1, total=int(step[2]), description=step[3][:60])
                 self.on_output(line)
+
+
+def _push_failure(reference: str, registry: str, detail: str) -> str:
+    host = registry.split("/", 1)[0]
+    return (f"pushing {reference} to registry {registry} failed: {detail.strip()}. Check that a registry answers at "
+            f"{host} (and `docker login {host}` where it needs credentials); the Docker engine pushes, so a plain "
+            f"HTTP registry must be among its insecure-registries.")
 
 
 def _explain_pip_failure(stderr: str, packages: Sequence[str], owners: Sequence[str], target: ImageTarget) -> str:

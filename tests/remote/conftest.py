@@ -58,10 +58,15 @@ class Service:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    pump: Optional[threading.Thread] = None
+
     def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signals the service and waits for it to exit and for its last output lines to be read."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         self.proc.wait(timeout=60)
+        if self.pump is not None:
+            self.pump.join(timeout=10)
 
 
 def write_rewards(folder: Path, rewards: list[dict]) -> list[dict]:
@@ -105,7 +110,8 @@ def serve(tmp_path):
                 service.output.append(line)
                 lines.put(line)
 
-        threading.Thread(target=pump, daemon=True).start()
+        service.pump = threading.Thread(target=pump, daemon=True)
+        service.pump.start()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
