@@ -178,18 +178,35 @@ def _progress_printer():
 def build(
     config: Path = typer.Argument(..., help="rewardbox YAML config"),
     force: bool = typer.Option(False, help="rebuild even when the image exists"),
+    push: bool = typer.Option(False, "--push", help="also build the service image (`rewardbox serve`), and push "
+                              "every image to --registry (for `rewardbox deploy kubernetes`)"),
+    registry: Optional[str] = typer.Option(None, help="where --push sends the images: a host, optionally with "
+                                           ":PORT and /PATH, e.g. registry.example.com:5000/team; the engine's "
+                                           "`docker login` applies"),
 ) -> None:
     """Build the sandbox images a config needs (one per distinct package set); cached by content hash."""
     _setup_logging(False)
     from .backends.docker import engine_client
-    from .image import ImageBuilder
+    from .image import ImageBuilder, registry_reference
 
     try:
+        if push != (registry is not None):
+            raise RewardboxError("--push and --registry go together: `rewardbox build CONFIG --push --registry "
+                                 "HOST:PORT/PATH` (port and path optional)")
+        if registry is not None:
+            registry_reference(registry, "check")  # a malformed registry fails before anything is built
         cfg = load_config(config)
         docker_settings = cfg.sandbox.backend_settings("docker")
         builder = ImageBuilder(engine_client(), docker_settings.cache_dir, on_output=_progress_printer())
+        tags = []
         for packages, (tag, owners) in builder.ensure_images(cfg.rewards, docker_settings, force=force).items():
             out_console.print(f"{tag}  rewards: {', '.join(owners)}  packages: {', '.join(packages) or '-'}")
+            tags.append(tag)
+        if push:
+            service = builder.ensure_service(docker_settings, force=force)
+            out_console.print(f"{service}  the service image (`rewardbox serve`)")
+            for tag in [*tags, service]:
+                out_console.print(f"pushed {builder.push(tag, registry)}", highlight=False, soft_wrap=True)
     except RewardboxError as e:
         raise fail(str(e)) from None
 
@@ -364,6 +381,35 @@ def sandbox_server(
     No isolation, no authentication: use `rewardbox serve` to share sandboxes."""
     # exec, not import: the host side never loads the sandbox's modules.
     os.execv(sys.executable, [sys.executable, "-m", "rewardbox.sandbox", "--listen", listen])
+
+
+deploy_app = typer.Typer(no_args_is_help=True, help="Manifests that run a config's rewards as shared services.")
+app.add_typer(deploy_app, name="deploy")
+
+
+@deploy_app.command("kubernetes")
+def deploy_kubernetes(
+    config: Path = typer.Argument(..., help="rewardbox YAML config: the rewards to deploy"),
+    registry: str = typer.Option(..., help="the registry `rewardbox build --push --registry` pushed the images to"),
+    namespace: Optional[str] = typer.Option(None, help="set on every object (default: kubectl's namespace)"),
+    runtime_class: Optional[str] = typer.Option(None, "--runtime-class", help="the pods' RuntimeClass; default: "
+                                                "gvisor when sandbox.docker.runtime is runsc, else that runtime's "
+                                                "name; none without a runtime"),
+    trainer_label: str = typer.Option("rewardbox.dev/trainer=true", help="KEY=VALUE: the label of the pods that "
+                                      "may connect (the NetworkPolicy's ingress)"),
+) -> None:
+    """Print Kubernetes manifests serving CONFIG's rewards (`| kubectl apply -f -`): per reward a Deployment (sandbox
+    and gateway containers), a headless Service, a NetworkPolicy and a ConfigMap. Reads the image tags from the
+    Docker engine; touches no cluster."""
+    _setup_logging(False)
+    from .kubernetes import render
+
+    try:
+        text = render(load_config(config), registry, namespace=namespace, runtime_class=runtime_class,
+                      trainer_label=trainer_label)
+    except RewardboxError as e:
+        raise fail(str(e)) from None
+    typer.echo(text, nl=False)
 
 
 def main() -> None:
