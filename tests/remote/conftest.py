@@ -80,6 +80,37 @@ def write_rewards(folder: Path, rewards: list[dict]) -> list[dict]:
     return entries
 
 
+def launch_service(command: list, env: dict, timeout_s: float = 60) -> Service:
+    """Runs ``command`` (a ``rewardbox serve`` listening on 127.0.0.1:0) and waits for its "serving ... on" line.
+    The caller kills it."""
+    env = {**env, "COLUMNS": "400"}
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue = queue.Queue()
+    service = Service(proc, 0)
+
+    def pump():
+        for line in proc.stdout:
+            service.output.append(line)
+            lines.put(line)
+
+    service.pump = threading.Thread(target=pump, daemon=True)
+    service.pump.start()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.5)
+        except queue.Empty:
+            if proc.poll() is not None:
+                break
+            continue
+        found = re.search(r" on 127\.0\.0\.1:(\d+) ", line)
+        if found:
+            service.port = int(found.group(1))
+            return service
+    service.kill()
+    pytest.fail("rewardbox serve did not start:\n" + "".join(service.output))
+
+
 @pytest.fixture
 def serve(tmp_path):
     """serve(rewards, tls=None|Certificates, token=None, name="a", sandbox=None) -> a running Service (its sandboxes
@@ -99,32 +130,9 @@ def serve(tmp_path):
         env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
         if token is not None:
             env[TOKEN_ENV] = token
-        env["COLUMNS"] = "400"
-        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        lines: queue.Queue = queue.Queue()
-        service = Service(proc, 0)
+        service = launch_service(command, env)
         services.append(service)
-
-        def pump():
-            for line in proc.stdout:
-                service.output.append(line)
-                lines.put(line)
-
-        service.pump = threading.Thread(target=pump, daemon=True)
-        service.pump.start()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                line = lines.get(timeout=0.5)
-            except queue.Empty:
-                if proc.poll() is not None:
-                    break
-                continue
-            found = re.search(r" on 127\.0\.0\.1:(\d+) ", line)
-            if found:
-                service.port = int(found.group(1))
-                return service
-        pytest.fail("rewardbox serve did not start:\n" + "".join(service.output))
+        return service
 
     yield start
     for service in services:
