@@ -7,7 +7,9 @@
 (d) image build time, cached (tag exists) and uncached (image removed and wheelhouse emptied);
 (e) 256 LLM-judge calls (``examples/llm_judge/judge.py``, one module-level AsyncOpenAI client) against a local
     OpenAI-compatible endpoint that answers after 200 ms: sandboxed (``isolation: worker``) versus in-process
-    ``asyncio.gather`` of the same function with its one client.
+    ``asyncio.gather`` of the same function with its one client;
+(f) the trivial reward of (a) (``isolation: worker``) through a shared service (``rewardbox serve`` in a process of
+    its own, TLS and a token over loopback TCP, ``backend: remote``) beside the local Unix-socket path of (a).
 Targets are printed beside the figures, never asserted.
 """
 
@@ -77,23 +79,31 @@ def _overhead(client, directory: Path, base_image: str, isolation: str, samples:
     """Seconds per 64-sample batch on a warm container, after 20 batches of warm-up; ``pace_s`` between batches."""
     config = _config(directory, base_image, [{"name": "trivial", "workers": 2, "cpus": 2, "isolation": isolation}])
     with RewardSandboxes(config, backend=_backend(config, client)) as sandboxes:
-        reward = sandboxes.rewards[0]
-
-        async def batches():
-            times = []
-            for i in range(iterations + 20):
-                if pace_s:
-                    await asyncio.sleep(pace_s)
-                t0 = time.perf_counter()
-                await reward.client.score(samples)
-                if i >= 20:
-                    times.append(time.perf_counter() - t0)
-            return times
-
-        return asyncio.run(batches())
+        return _batch_times(sandboxes.rewards[0], samples, iterations, pace_s)
 
 
-def run_bench(base_image: str, iterations: int = 200, progress: Callable[[str], None] = print) -> list[Figure]:
+def _batch_times(reward, samples: list, iterations: int, pace_s: float) -> list[float]:
+    async def batches():
+        times = []
+        for i in range(iterations + 20):
+            if pace_s:
+                await asyncio.sleep(pace_s)
+            t0 = time.perf_counter()
+            await reward.client.score(samples)
+            if i >= 20:
+                times.append(time.perf_counter() - t0)
+        return times
+
+    return asyncio.run(batches())
+
+
+PARTS = "abcdef"
+WORKER = "isolation: worker"
+
+
+def run_bench(base_image: str, iterations: int = 200, progress: Callable[[str], None] = print,
+              parts: str = PARTS) -> list[Figure]:
+    """Runs the bench's parts (the letters of the module docstring; all by default); returns their figures."""
     client = engine_client()
     figures: list[Figure] = []
     with tempfile.TemporaryDirectory(prefix="rbx-bench-") as tmp:
@@ -101,37 +111,14 @@ def run_bench(base_image: str, iterations: int = 200, progress: Callable[[str], 
         (directory / "bench_rewards.py").write_text(REWARDS)
         namespace: dict = {}
         exec(REWARDS, namespace)
-
-        # (d) builds first: uncached (image removed, fresh wheelhouse), then cached.
-        progress("(d) image builds")
         builder = ImageBuilder(client, cache_dir=directory / "cache", on_output=lambda line: None)
         base_image = builder.base_images.resolve(base_image)
         builder.base_image_id(base_image)
-        tag = builder.tag_for(base_image, [])
-        try:
-            client.images.remove(tag, force=True)
-        except docker.errors.ImageNotFound:
-            pass
-        t0 = time.perf_counter()
-        builder.ensure(base_image, [])
-        uncached = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        builder.ensure(base_image, [])
-        cached = time.perf_counter() - t0
-        figures.append(Figure("image build, uncached (wheels + engine build)", f"{uncached:.1f} s", "-", None))
-        figures.append(Figure("image build, cached", f"{cached * 1000:.0f} ms", "< 1 s", cached < 1.0))
 
-        # (c) cold start with a cached image
-        progress("(c) cold start")
-        cold = []
-        for _ in range(3):
-            config = _config(directory, base_image, [{"name": "trivial", "workers": 1}])
-            t0 = time.perf_counter()
-            with RewardSandboxes(config, backend=_backend(config, client)) as sandboxes:
-                asyncio.run(sandboxes.rewards[0].client.score(build_samples(["p"], ["x"], {})))
-                cold.append(time.perf_counter() - t0)
-        figures.append(Figure("cold start: start() to first score (median of 3)",
-                              f"{statistics.median(cold) * 1000:.0f} ms", "<= 1 s", statistics.median(cold) <= 1.0))
+        if "d" in parts:  # builds first: uncached (image removed, fresh wheelhouse), then cached
+            figures.extend(_builds(client, builder, base_image, progress))
+        if "c" in parts:
+            figures.extend(_cold_start(client, directory, base_image, progress))
 
         # (a) overhead per 64-sample batch, warm container vs in-process, for both isolation levels
         prompts, completions = ["p"] * 64, [f"completion {i}" for i in range(64)]
@@ -143,52 +130,167 @@ def run_bench(base_image: str, iterations: int = 200, progress: Callable[[str], 
             [fn(p, c, {}) for p, c in zip(prompts, completions)]
             in_process.append(time.perf_counter() - t0)
         base = statistics.median(in_process)
-        figures.append(Figure("in-process call of 64 samples, p50", f"{base * 1e6:.0f} us", "-", None))
+        if "a" in parts:
+            figures.append(Figure("in-process call of 64 samples, p50", f"{base * 1e6:.0f} us", "-", None))
+        sandboxed = {}
         for isolation, pace_s, target_ms, label in (
-            ("worker", 0.0, 2.0, "isolation: worker"),
+            ("worker", 0.0, 2.0, WORKER),
             ("sample", PACE_S, 5.0, f"isolation: sample, a batch every {PACE_S * 1000:.0f} ms (as in training)"),
             ("sample", 0.0, None, "isolation: sample, back to back"),
         ):
+            if "a" not in parts and not ("f" in parts and label == WORKER):
+                continue
             progress(f"(a) overhead, {label}, {iterations} batches of 64")
-            sandboxed = _overhead(client, directory, base_image, isolation, samples, iterations, pace_s)
-            p50 = (_percentile(sandboxed, 0.5) - base) * 1000
-            p95 = (_percentile(sandboxed, 0.95) - base) * 1000
+            times = sandboxed[label] = _overhead(client, directory, base_image, isolation, samples, iterations,
+                                                 pace_s)
+            if "a" not in parts:
+                continue
+            p50 = (_percentile(times, 0.5) - base) * 1000
+            p95 = (_percentile(times, 0.95) - base) * 1000
             target = f"<= {target_ms:g} ms" if target_ms else "-"
             figures.append(Figure(f"overhead per 64-sample batch, p50, {label}", f"{p50:.2f} ms", target,
                                   None if target_ms is None else p50 <= target_ms))
             figures.append(Figure(f"overhead per 64-sample batch, p95, {label}", f"{p95:.2f} ms", "-", None))
 
-        # (b) throughput of a ~5 ms CPU-bound reward: 1 and 2 replicas, both isolation levels
-        rates = {}
-        for isolation, replicas in (("worker", 1), ("worker", 2), ("sample", 1), ("sample", 2)):
-            progress(f"(b) throughput, isolation: {isolation}, {replicas} replica(s)")
-            config = _config(directory, base_image, [{"name": "cpu_bound", "replicas": replicas, "workers": 1,
-                                                      "cpus": 1, "isolation": isolation}])
-            with RewardSandboxes(config, backend=_backend(config, client)) as sandboxes:
-                reward = sandboxes.rewards[0]
-                batch = build_samples(["p"] * 64, ["c"] * 64, {})
+        # (f) the same batches through a shared service, beside the local Unix-socket path
+        if "f" in parts:
+            progress(f"(f) overhead through rewardbox serve (TLS and a token over loopback TCP), {iterations} "
+                     "batches of 64")
+            figures.extend(_remote(directory, base_image, samples, iterations, base, sandboxed[WORKER]))
 
-                async def throughput():
-                    await reward.client.score(batch)  # warm-up
-                    t0 = time.perf_counter()
-                    for _ in range(5):
-                        await reward.client.score(batch)
-                    return 5 * 64 / (time.perf_counter() - t0)
-
-                rates[isolation, replicas] = asyncio.run(throughput())
-            figures.append(Figure(f"CPU-bound (5 ms/sample) samples/s, {replicas} replica(s), isolation: {isolation}",
-                                  f"{rates[isolation, replicas]:.0f}", "-", None))
-        speedup = rates["worker", 2] / rates["worker", 1]
-        figures.append(Figure("speed-up, 2 replicas vs 1 (isolation: worker)", f"{speedup:.2f}x", ">= 1.8x",
-                              speedup >= 1.8))
-        ratio = rates["sample", 1] / rates["worker", 1]
-        figures.append(Figure("CPU-bound throughput, isolation: sample vs worker (1 replica)", f"{ratio:.0%}",
-                              ">= 90%", ratio >= 0.9))
+        if "b" in parts:
+            figures.extend(_throughput(client, directory, base_image, progress))
 
         # (e) an I/O-bound async judge, sandboxed vs in-process
-        progress("(e) 256 judge calls at 200 ms latency, sandboxed and in-process")
-        figures.extend(_judge(client, directory, base_image))
+        if "e" in parts:
+            progress("(e) 256 judge calls at 200 ms latency, sandboxed and in-process")
+            figures.extend(_judge(client, directory, base_image))
     return figures
+
+
+def _builds(client, builder: ImageBuilder, base_image: str, progress) -> list[Figure]:
+    """(d) the image of no packages, uncached (image removed, fresh wheelhouse), then cached."""
+    progress("(d) image builds")
+    tag = builder.tag_for(base_image, [])
+    try:
+        client.images.remove(tag, force=True)
+    except docker.errors.ImageNotFound:
+        pass
+    t0 = time.perf_counter()
+    builder.ensure(base_image, [])
+    uncached = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    builder.ensure(base_image, [])
+    cached = time.perf_counter() - t0
+    return [Figure("image build, uncached (wheels + engine build)", f"{uncached:.1f} s", "-", None),
+            Figure("image build, cached", f"{cached * 1000:.0f} ms", "< 1 s", cached < 1.0)]
+
+
+def _cold_start(client, directory: Path, base_image: str, progress) -> list[Figure]:
+    """(c) start() to the first score, with a cached image."""
+    progress("(c) cold start")
+    cold = []
+    for _ in range(3):
+        config = _config(directory, base_image, [{"name": "trivial", "workers": 1}])
+        t0 = time.perf_counter()
+        with RewardSandboxes(config, backend=_backend(config, client)) as sandboxes:
+            asyncio.run(sandboxes.rewards[0].client.score(build_samples(["p"], ["x"], {})))
+            cold.append(time.perf_counter() - t0)
+    median = statistics.median(cold)
+    return [Figure("cold start: start() to first score (median of 3)", f"{median * 1000:.0f} ms", "<= 1 s",
+                   median <= 1.0)]
+
+
+def _throughput(client, directory: Path, base_image: str, progress) -> list[Figure]:
+    """(b) a ~5 ms CPU-bound reward: 1 and 2 replicas, both isolation levels."""
+    figures, rates = [], {}
+    for isolation, replicas in (("worker", 1), ("worker", 2), ("sample", 1), ("sample", 2)):
+        progress(f"(b) throughput, isolation: {isolation}, {replicas} replica(s)")
+        config = _config(directory, base_image, [{"name": "cpu_bound", "replicas": replicas, "workers": 1,
+                                                  "cpus": 1, "isolation": isolation}])
+        with RewardSandboxes(config, backend=_backend(config, client)) as sandboxes:
+            reward = sandboxes.rewards[0]
+            batch = build_samples(["p"] * 64, ["c"] * 64, {})
+
+            async def throughput():
+                await reward.client.score(batch)  # warm-up
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    await reward.client.score(batch)
+                return 5 * 64 / (time.perf_counter() - t0)
+
+            rates[isolation, replicas] = asyncio.run(throughput())
+        figures.append(Figure(f"CPU-bound (5 ms/sample) samples/s, {replicas} replica(s), isolation: {isolation}",
+                              f"{rates[isolation, replicas]:.0f}", "-", None))
+    speedup = rates["worker", 2] / rates["worker", 1]
+    figures.append(Figure("speed-up, 2 replicas vs 1 (isolation: worker)", f"{speedup:.2f}x", ">= 1.8x",
+                          speedup >= 1.8))
+    ratio = rates["sample", 1] / rates["worker", 1]
+    figures.append(Figure("CPU-bound throughput, isolation: sample vs worker (1 replica)", f"{ratio:.0%}",
+                          ">= 90%", ratio >= 0.9))
+    return figures
+
+
+def _remote(directory: Path, base_image: str, samples: list, iterations: int, base: float,
+            local: list[float]) -> list[Figure]:
+    """(f) the trivial reward (isolation: worker) through ``rewardbox serve`` in a process of its own, over loopback
+    TCP with TLS (when trustme is installed to make a certificate; else plaintext) and a token."""
+    import os
+    import re
+    import secrets
+    import subprocess
+    import sys
+
+    import yaml
+
+    reward = {"name": "trivial", "source": "bench_rewards.py", "workers": 2, "cpus": 2, "isolation": "worker"}
+    (directory / "service.yaml").write_text(yaml.safe_dump(
+        {"sandbox": {"backend": "docker", "docker": {"base_image": base_image}}, "rewards": [reward]}))
+    command = [sys.executable, "-m", "rewardbox", "serve", str(directory / "service.yaml"), "--listen",
+               "127.0.0.1:0", "--token-env", "REWARDBOX_BENCH_TOKEN"]
+    remote: dict = {"token_env": "REWARDBOX_BENCH_TOKEN"}
+    try:
+        import trustme
+
+        ca = trustme.CA()
+        issued = ca.issue_cert("127.0.0.1")
+        ca.cert_pem.write_to_path(str(directory / "ca.pem"))
+        issued.private_key_pem.write_to_path(str(directory / "key.pem"))
+        (directory / "cert.pem").write_bytes(b"".join(p.bytes() for p in issued.cert_chain_pems))
+        command += ["--tls-cert", str(directory / "cert.pem"), "--tls-key", str(directory / "key.pem")]
+        remote["tls_ca"] = str(directory / "ca.pem")
+        security = "TLS and a token"
+    except ImportError:
+        security = "plaintext and a token (install trustme for TLS)"
+    os.environ["REWARDBOX_BENCH_TOKEN"] = secrets.token_hex(16)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "COLUMNS": "400"})
+    try:
+        port = None
+        for line in proc.stdout:
+            found = re.search(r" on 127\.0\.0\.1:(\d+) ", line)
+            if found:
+                port = int(found.group(1))
+                break
+        if port is None:
+            return [Figure("remote path: rewardbox serve did not start", "-", "-", None)]
+        remote["endpoints"] = [f"127.0.0.1:{port}"]
+        config = parse_config({"sandbox": {"backend": "remote", "remote": remote}, "rewards": [reward]}, directory)
+        with RewardSandboxes(config) as sandboxes:
+            times = _batch_times(sandboxes.rewards[0], samples, iterations, 0.0)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    local_p50 = (_percentile(local, 0.5) - base) * 1000
+    p50 = (_percentile(times, 0.5) - base) * 1000
+    p95 = (_percentile(times, 0.95) - base) * 1000
+    return [
+        Figure(f"overhead per 64-sample batch, p50, remote (rewardbox serve, {security}, loopback)",
+               f"{p50:.2f} ms", "-", None),
+        Figure("overhead per 64-sample batch, p95, remote", f"{p95:.2f} ms", "-", None),
+        Figure(f"overhead per 64-sample batch, p50, local Unix socket ({WORKER})", f"{local_p50:.2f} ms", "-", None),
+        Figure("the remote path's extra cost per 64-sample batch, p50", f"{p50 - local_p50:.2f} ms", "-", None),
+    ]
 
 
 JUDGE_CALLS = 256

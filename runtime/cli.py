@@ -274,13 +274,15 @@ def train(
 def bench(
     base_image: str = typer.Option("auto", help="base image of the sandbox image (sandbox.docker.base_image)"),
     iterations: int = typer.Option(200, min=10, help="64-sample batches for the overhead figure"),
+    parts: str = typer.Option("abcdef", help="which parts to run (see `rewardbox.bench`): a overhead, b throughput, "
+                              "c cold start, d builds, e LLM judge, f remote path"),
 ) -> None:
     """Measure sandbox overhead, throughput, cold start and build times; print them beside our targets."""
     _setup_logging(False)
     from .bench import run_bench
 
     try:
-        figures = run_bench(base_image, iterations, progress=lambda m: console.print(m, style="dim"))
+        figures = run_bench(base_image, iterations, progress=lambda m: console.print(m, style="dim"), parts=parts)
     except RewardboxError as e:
         raise fail(str(e)) from None
     table = Table(title="rewardbox bench (docker backend, this machine)")
