@@ -237,8 +237,8 @@ def registry_reference(registry: str, tag: str) -> str:
     """
     registry = registry.rstrip("/")
     if not _REGISTRY.match(registry):
-        raise ConfigError(f"--registry {registry!r}: expected HOST[:PORT][/PATH] without a scheme or a tag, e.g. "
-                          "registry.example.com:5000/team (path components lower-case)")
+        raise ConfigError(f"--registry {registry!r}: expected a registry host, optionally with :PORT and /PATH, "
+                          "without a scheme or a tag, e.g. registry.example.com:5000/team (the path lower-case)")
     return f"{registry}/{tag}"
 
 
