@@ -40,7 +40,8 @@ def test_the_wheel_holds_one_import_package_and_the_sandbox_files(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"rewardbox", f"{wheel.name.split('-py3')[0]}.dist-info"}
     for data in ("rewardbox/sandbox/Dockerfile", "rewardbox/wire/rewardbox/v1/reward.proto",
-                 "rewardbox/wire/pb/reward_pb2.py", "rewardbox/wire/pb/reward_pb2.pyi", "rewardbox/py.typed"):
+                 "rewardbox/wire/pb/reward_pb2.py", "rewardbox/wire/pb/reward_pb2.pyi", "rewardbox/py.typed",
+                 "rewardbox/Dockerfile.service"):
         assert data in names
 
 
