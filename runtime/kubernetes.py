@@ -157,11 +157,14 @@ def quantity(size: str, what: str) -> str:
     Raises:
         ConfigError: ``size`` is not a size, naming ``what`` (the config key).
     """
+    return _binary_quantity(_bytes(size, what))
+
+
+def _bytes(size: str, what: str) -> int:
     try:
-        n = docker.utils.parse_bytes(size)
+        return docker.utils.parse_bytes(size)
     except docker.errors.DockerException:
         raise ConfigError(f"{what}: {size!r} is not a size like 64m or 1g") from None
-    return _binary_quantity(n)
 
 
 def _binary_quantity(n: int) -> str:
@@ -242,7 +245,7 @@ def _reward_manifests(config: RewardboxConfig, index: int, reward: RewardSpec, i
     spec = ContainerSpec(image=image, name=name, server_uid=NOBODY, slot_uids=(POD_SLOT_UID_BASE, plan.slots),
                          runtime=runtime, default_warm=plan.default_warm, sample_nproc=plan.sample_nproc,
                          sample_memory=plan.sample_memory, slot_root=SCRATCH)
-    tmpfs_bytes = _size(settings.tmpfs_size)
+    tmpfs_bytes = _bytes(settings.tmpfs_size, "sandbox.docker.tmpfs_size")
     path = config.source_path(reward)
     filename = path.name
     where = config.where.at("rewards", index, "source")
@@ -351,13 +354,6 @@ def _reward_manifests(config: RewardboxConfig, index: int, reward: RewardSpec, i
                          "spec": pod},
         }},
     ]
-
-
-def _size(text: str) -> int:
-    try:
-        return docker.utils.parse_bytes(text)
-    except docker.errors.DockerException:
-        raise ConfigError(f"sandbox.docker.tmpfs_size: {text!r} is not a size like 64m") from None
 
 
 def manifests(config: RewardboxConfig, images: Images, namespace: Optional[str] = None,
@@ -521,8 +517,8 @@ def render(config: RewardboxConfig, registry: str, namespace: Optional[str] = No
         ConfigError: see :func:`manifests`; a bad registry.
         BackendError, ImageBuildError: see :func:`image_tags`.
     """
-    registry_reference(registry, "check")
-    options = _options(config, namespace, runtime_class, trainer_label)  # before the engine is asked anything
+    registry_reference(registry, "check")  # a malformed registry fails before the engine is asked
+    options = _options(config, namespace, runtime_class, trainer_label)
     images = image_tags(config).in_registry(registry)
     docs = manifests(config, images, namespace, runtime_class, trainer_label)
     return instructions(config, namespace, trainer_label, options.runtime_class) + to_yaml(docs)

@@ -318,3 +318,12 @@ def test_cli_prints_manifests_that_reference_the_pushed_images(two_rewards, monk
     gvisor = CliRunner().invoke(app, ["deploy", "kubernetes", config.where.file, "--registry", "r",
                                       "--runtime-class", "gvisor"])
     assert gvisor.exit_code == 2 and "sandbox.docker.runtime" in gvisor.output
+
+
+def test_sizes_become_exact_kubernetes_quantities_and_a_bad_one_names_its_key(two_rewards):
+    from rewardbox.kubernetes import quantity
+
+    assert [quantity(s, "k") for s in ("64m", "1g", "1.5g", "512k", "1000")] == ["64Mi", "1Gi", "1536Mi", "512Ki",
+                                                                               "1000"]
+    with pytest.raises(ConfigError, match=r"sandbox.docker.tmpfs_size: '50%' is not a size"):
+        manifests(two_rewards({"tmpfs_size": "50%"}), IMAGES)
