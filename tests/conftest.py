@@ -107,3 +107,11 @@ def run(coro):
     import asyncio
 
     return asyncio.run(coro)
+
+
+def default_sigint() -> None:
+    """``preexec_fn`` for a child that a test interrupts with SIGINT: a shell that runs the tests in the background
+    (``cmd &`` without job control) starts them with SIGINT ignored, and children would inherit that."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -18,7 +18,7 @@ from rewardbox.backends.docker import ContainerSpec, DockerBackend, DockerSandbo
 from rewardbox.image import ImageBuilder
 from rewardbox.replica import Replica
 from rewardbox.spec import sandbox_settings_model
-from tests.conftest import run
+from tests.conftest import default_sigint, run
 from tests.docker.conftest import docker_backend
 
 
@@ -161,7 +161,8 @@ def test_ctrl_c_removes_every_container(write_config, docker_client, base_image,
     samples = tmp_path / "s.jsonl"
     samples.write_text("".join(json.dumps({"prompt": "p", "completion": str(i)}) + "\n" for i in range(4)))
     proc = subprocess.Popen([sys.executable, "-m", "rewardbox", "score", str(path), "--samples", str(samples)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_sigint)
     deadline = time.monotonic() + 60
     while len(_containers_of(docker_client, proc.pid)) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -17,7 +17,7 @@ from transformers import TrainerCallback
 
 from rewardbox import ConfigError
 from rewardbox.backends.docker import DockerBackend, DockerSettings
-from tests.conftest import ROOT
+from tests.conftest import ROOT, default_sigint
 from rewardbox.trainer import load_train_config, train
 
 REWARDS = """
@@ -199,7 +199,8 @@ def test_ctrl_c_during_training_removes_every_container(tmp_path, docker_client,
     proc = subprocess.Popen([sys.executable, "-m", "rewardbox.trainer", str(tmp_path / "quickstart" / "config.yaml"),
                              "--grpo.max_steps", "5000", "--output_dir", str(tmp_path / "out"),
                              "--sandbox.docker.base_image", base_image],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_sigint)
     deadline = time.monotonic() + 120
     log_file = tmp_path / "out" / "reward_logs.jsonl"
     while not log_file.exists() or not log_file.read_text():
