@@ -31,7 +31,9 @@ import hmac
 import ipaddress
 import logging
 import os
+import platform
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -254,9 +256,6 @@ class RewardService(pb_grpc.RewardSandboxServicer):
         return pb.LoadResponse(functions=[i for i in infos if i is not None])
 
     async def Describe(self, request: pb.DescribeRequest, context) -> pb.DescribeResponse:
-        import platform
-        import sys
-
         return pb.DescribeResponse(
             server_version=VERSION, python_version=sys.version.split()[0], platform=platform.platform(),
             functions=[r.info for r in self.sandboxes.rewards if r.info is not None])

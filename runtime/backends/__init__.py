@@ -5,7 +5,7 @@ another package adds one through the ``rewardbox.backends`` entry-point group, o
 conformance suite in ``tests/backends``.
 """
 
-from .base import Backend, BackendSettings, Sandbox, reward_environment
+from .base import Backend, BackendSettings, ExternalSandbox, Sandbox, reward_environment
 from .registry import (
     AUTO,
     ENTRY_POINT_GROUP,
@@ -23,6 +23,7 @@ __all__ = [
     "Backend",
     "BackendSettings",
     "BackendType",
+    "ExternalSandbox",
     "Sandbox",
     "backend_names",
     "backend_type",

@@ -20,7 +20,7 @@ from pydantic import Field
 
 from ..spec import RewardSpec
 from ..transport import Endpoint
-from .base import BackendSettings
+from .base import BackendSettings, ExternalSandbox
 from .registry import BackendType
 
 
@@ -30,28 +30,14 @@ class AttachedSettings(BackendSettings):
     target: str = Field(default="unix:///run/rewardbox/grpc.sock", description="the sandbox server's gRPC target")
 
 
-class AttachedSandbox:
+class AttachedSandbox(ExternalSandbox):
     """A sandbox server run by someone else. Its restarts are theirs: ``restart`` only lets recovery wait for it."""
 
     def __init__(self, name: str, target: str):
-        self.name = name
-        self._endpoint = Endpoint(target)
-
-    @property
-    def endpoint(self) -> Endpoint:
-        return self._endpoint
-
-    def start(self) -> None:
-        pass
-
-    def alive(self) -> bool:
-        return True
+        super().__init__(name, Endpoint(target))
 
     def restart(self) -> None:
         pass  # the orchestrator restarts the server; recovery then waits for its health
-
-    def stop(self) -> None:
-        pass
 
     def logs(self, tail: int = 40) -> str:
         return f"(the sandbox server at {self._endpoint.target} is run by its orchestrator: see its container's logs)"

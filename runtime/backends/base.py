@@ -69,6 +69,35 @@ class Sandbox(Protocol):
         """The server's last output lines, for error messages."""
 
 
+class ExternalSandbox:
+    """A sandbox server someone else runs (an orchestrator, a shared service), reached at ``endpoint``: starting and
+    stopping it are no-ops here, and it counts as alive (health tells the rest). Subclasses say what ``restart``
+    means and where its output is."""
+
+    def __init__(self, name: str, endpoint: "Endpoint"):
+        self.name = name
+        self._endpoint = endpoint
+
+    @property
+    def endpoint(self) -> "Endpoint":
+        return self._endpoint
+
+    def start(self) -> None:
+        pass
+
+    def alive(self) -> bool:
+        return True
+
+    def restart(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        pass
+
+    def logs(self, tail: int = 40) -> str:
+        raise NotImplementedError
+
+
 @runtime_checkable
 class Backend(Protocol):
     """Where sandboxes run. Made from its settings section by its registered factory."""

@@ -30,7 +30,7 @@ from pydantic import Field
 from ..errors import BackendError, ConfigError, TransportError
 from ..spec import RewardSpec
 from ..transport import Endpoint, GrpcTransport, Transport
-from .base import BackendSettings
+from .base import BackendSettings, ExternalSandbox
 from .registry import BackendType
 
 log = logging.getLogger("rewardbox")
@@ -52,32 +52,18 @@ class RemoteSettings(BackendSettings):
                               "max_in_flight budget before they fall back to default_score")
 
 
-class RemoteSandbox:
+class RemoteSandbox(ExternalSandbox):
     """One endpoint of a shared service, as one replica of a reward. The service is not ours: it is never started,
     restarted or stopped from here."""
 
     shared = True
 
     def __init__(self, name: str, endpoint: Endpoint, max_wait_s: float):
-        self.name = name
-        self._endpoint = endpoint
+        super().__init__(name, endpoint)
         self.max_wait_s = max_wait_s
-
-    @property
-    def endpoint(self) -> Endpoint:
-        return self._endpoint
-
-    def start(self) -> None:
-        pass
-
-    def alive(self) -> bool:
-        return True
 
     def restart(self) -> None:
         raise BackendError(f"{self.name}: a shared service is restarted by whoever runs it, not by its clients")
-
-    def stop(self) -> None:
-        pass
 
     def logs(self, tail: int = 40) -> str:
         return f"(the service's output is on the machine that runs it: {self._endpoint.target})"
