@@ -13,14 +13,13 @@ import time
 from tests.conftest import ROOT
 
 
-def test_two_ranks_train_with_their_own_sandboxes(tmp_path, base_image):
-    shutil.copytree(ROOT / "examples" / "quickstart", tmp_path / "quickstart")
-    out = tmp_path / "out"
+def train_two_ranks(tmp_path, config, out, *overrides: str) -> None:
+    """Trains the quickstart for 2 steps with two accelerate ranks, and checks that each rank logged every reward
+    for both steps with every sample scored ok."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "-m", "rewardbox.trainer", str(tmp_path / "quickstart" / "config.yaml"),
-           "--grpo.max_steps", "2", "--grpo.save_strategy", "no", "--output_dir", str(out),
-           "--sandbox.docker.base_image", base_image]
+           "-m", "rewardbox.trainer", str(config), "--grpo.max_steps", "2", "--grpo.save_strategy", "no",
+           "--output_dir", str(out), *overrides]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -30,6 +29,13 @@ def test_two_ranks_train_with_their_own_sandboxes(tmp_path, base_image):
         assert {r["reward"] for r in records} == {"format", "partial_format", "correct"}
         assert sorted({r["step"] for r in records}) == [0, 1]
         assert all(r["statuses"].get("ok") == r["samples"] for r in records)
+
+
+def test_two_ranks_train_with_their_own_sandboxes(tmp_path, base_image):
+    shutil.copytree(ROOT / "examples" / "quickstart", tmp_path / "quickstart")
+    out = tmp_path / "out"
+    train_two_ranks(tmp_path, tmp_path / "quickstart" / "config.yaml", out,
+                    "--sandbox.docker.base_image", base_image)
     assert (out / "adapter_model.safetensors").exists()
 
 
@@ -52,21 +58,8 @@ def test_two_ranks_train_against_one_shared_service(tmp_path, base_image):
         engine = docker.from_env()
         served = {c.id for c in engine.containers.list(filters={"label": "rewardbox"})}
         began = int(time.time()) - 1
-        out = tmp_path / "out"
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "-m", "rewardbox.trainer", str(config), "--grpo.max_steps", "2", "--grpo.save_strategy", "no",
-               "--output_dir", str(out), "--sandbox.backend", "remote",
-               "--sandbox.remote.endpoints", f"[{service.target}]"]
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "rank 0 of 2" in proc.stderr and "rank 1 of 2" in proc.stderr
-        for log_name in ("reward_logs.jsonl", "reward_logs.rank1.jsonl"):
-            records = [json.loads(line) for line in (out / log_name).read_text().splitlines()]
-            assert {r["reward"] for r in records} == {"format", "partial_format", "correct"}
-            assert sorted({r["step"] for r in records}) == [0, 1]
-            assert all(r["statuses"].get("ok") == r["samples"] for r in records)
+        train_two_ranks(tmp_path, config, tmp_path / "out", "--sandbox.backend", "remote",
+                        "--sandbox.remote.endpoints", f"[{service.target}]")
         created = list(engine.events(since=began, until=int(time.time()) + 1, decode=True,
                                      filters={"type": "container", "event": "create"}))
         created = [e for e in created if e["id"] not in served]
