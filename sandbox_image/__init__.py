@@ -5,8 +5,12 @@ The gRPC server (:mod:`.server`) that loads reward functions and scores samples 
 backend) or as a local subprocess (local backend) and depends only on grpcio, grpcio-health-checking,
 grpcio-reflection, protobuf, pebble and :mod:`rewardbox.wire`: all the sandbox image installs besides the user's
 packages. The host never imports it.
+
+Reward code imports :func:`run` and :func:`run_tests` from here to execute model-written programs
+(:mod:`.execution`).
 """
 
 from ..wire import VERSION as __version__
+from .execution import LANGUAGES, RunnerUnavailable, RunResult, TestsResult, run, run_tests
 
-__all__ = ["__version__"]
+__all__ = ["LANGUAGES", "RunResult", "RunnerUnavailable", "TestsResult", "__version__", "run", "run_tests"]

@@ -31,6 +31,8 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--server-uid", type=int, default=None, help="drop to this uid after starting the supervisor")
     parser.add_argument("--slot-uids", default=None, help="uids for slot processes, e.g. 100000-100063 (each with a "
                                                           "tmpfs at /tmp/slot-<uid>); none: the local backend")
+    parser.add_argument("--run-uids", default=None, help="one uid per slot uid, for the programs reward code runs "
+                        "(rewardbox.sandbox.run), each with a tmpfs at /tmp/slot-<uid> too")
     parser.add_argument("--slot-root", default=None, help="make each slot's scratch directory under this directory "
                         "(a Kubernetes emptyDir) instead of expecting a tmpfs at /tmp/slot-<uid>")
     parser.add_argument("--sample-nproc", type=int, default=None, help="RLIMIT_NPROC of each slot uid")
@@ -42,9 +44,13 @@ def main(argv: Optional[list] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s sandbox %(levelname)s %(message)s")
     if args.slot_uids:
         uids = supervisor_module.parse_uids(args.slot_uids)
+        run_uids = supervisor_module.parse_uids(args.run_uids) if args.run_uids else ()
+        if run_uids and len(run_uids) != len(uids):
+            parser.error(f"--run-uids gives {len(run_uids)} uids for {len(uids)} slot uids")
         if args.slot_root:
-            supervisor_module.make_slot_dirs(args.slot_root, uids)
-        pool = supervisor_module.SlotPool(uids=uids, root=args.slot_root or "", atomic_kill=args.atomic_kill)
+            supervisor_module.make_slot_dirs(args.slot_root, uids + run_uids)
+        pool = supervisor_module.SlotPool(uids=uids, run_uids=run_uids, root=args.slot_root or "",
+                                          atomic_kill=args.atomic_kill)
     else:
         pool = supervisor_module.local_pool(os.environ.get("REWARDBOX_STATE_DIR"))
     pid, sock = supervisor_module.start(pool)

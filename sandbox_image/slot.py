@@ -57,15 +57,20 @@ class SlotSpec:
     memory: Optional[int] = None  # RLIMIT_AS of each of its processes, bytes
     ipc_mark: int = 0  # gVisor: the last SysV IPC id this slot's cleanup saw
     atomic_kill: bool = False  # the kernel signals kill(-1) atomically against fork (Linux; not gVisor)
+    run_uid: Optional[int] = None  # the uid of the programs its reward code runs (rewardbox.sandbox.run)
+    run_directory: str = ""  # their scratch directory
 
 
-def _close_inherited(keep: int) -> None:
+def _close_inherited(*keep: int) -> None:
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
-    os.closerange(3, keep)
-    os.closerange(keep + 1, 65536)
-    if devnull > 2 and devnull != keep:
+    low = 3
+    for fd in sorted(k for k in keep if k >= 3):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, 65536)
+    if devnull > 2 and devnull not in keep:
         try:
             os.close(devnull)
         except OSError:
@@ -246,8 +251,9 @@ def _set_oom_score_adj(value: int) -> None:
 REAPER_UID_BIT = 1 << 31  # a real uid of its own for the cleanup stage: no slot process runs under it
 
 
-def prepare(slot: SlotSpec, control_fd: int) -> int:
+def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> int:
     """Makes this freshly forked process a slot (see the module docstring). Returns the IPC mark for the template.
+    ``run_fd``: its socket to the program runner (:mod:`.runner`), kept open for :func:`rewardbox.sandbox.run`.
 
     Raises:
         OSError, RuntimeError: it cannot be prepared; the slot is not used.
@@ -261,7 +267,7 @@ def prepare(slot: SlotSpec, control_fd: int) -> int:
     for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGALRM, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_DFL)
     signal.set_wakeup_fd(-1)
-    _close_inherited(control_fd)
+    _close_inherited(control_fd, *(() if run_fd is None else (run_fd,)))
     try:
         _set_oom_score_adj(1000)
     except OSError:
@@ -289,6 +295,10 @@ def prepare(slot: SlotSpec, control_fd: int) -> int:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     os.chdir(slot.directory)
     os.environ.update(HOME=slot.directory, TMPDIR=slot.directory, PWD=slot.directory)
+    from . import execution  # here: execution imports this module
+
+    execution.attach(run_fd, "" if run_fd is not None or slot.uid is None else
+                     "this sandbox has no uid for programs (started without --run-uids)")
     worker.install_capture()
     return mark
 
@@ -401,12 +411,13 @@ def serve(loaded: worker.Loaded, control: socket.socket, reuse: bool, mark: int)
             return
 
 
-def run(loaded: worker.Loaded, slot: SlotSpec, control: socket.socket, reuse: bool) -> None:
+def run(loaded: worker.Loaded, slot: SlotSpec, control: socket.socket, reuse: bool,
+        run_channel: Optional[socket.socket] = None) -> None:
     """The whole life of a slot process; never returns."""
     code = 0
     try:
         try:
-            mark = prepare(slot, control.fileno())
+            mark = prepare(slot, control.fileno(), None if run_channel is None else run_channel.detach())
         except BaseException as e:  # noqa: BLE001 - still trusted code here: tell the template why
             code = 70
             reason = f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:MAX_REASON]

@@ -43,15 +43,21 @@ class SlotPool:
     """Where slots come from: dedicated uids with their tmpfs (docker), or directories under ``root`` (local)."""
 
     uids: tuple = ()  # empty: the local backend
+    run_uids: tuple = ()  # one per slot uid: the uid of the programs its reward code runs
     root: str = ""  # local backend: where slot directories go; with uids: see make_slot_dirs
     atomic_kill: bool = False  # see SlotSpec
 
+    def _directory(self, uid: int) -> str:
+        return os.path.join(self.root, f"slot-{uid}") if self.root else f"{SLOT_DIR_PREFIX}{uid}"
+
     def specs(self) -> list:
-        if self.uids and self.root:
-            return [(uid, os.path.join(self.root, f"slot-{uid}")) for uid in self.uids]
+        """(uid, directory, run uid, run directory) of each slot."""
         if self.uids:
-            return [(uid, f"{SLOT_DIR_PREFIX}{uid}") for uid in self.uids]
-        return [(None, os.path.join(self.root, f"slot-{i}")) for i in range(256)]
+            run_uids = self.run_uids or (None,) * len(self.uids)
+            return [(uid, self._directory(uid), run, self._directory(run) if run is not None else "")
+                    for uid, run in zip(self.uids, run_uids)]
+        return [(None, os.path.join(self.root, f"slot-{i}"), None, os.path.join(self.root, f"run-{i}"))
+                for i in range(256)]
 
 
 def make_slot_dirs(root: str, uids: tuple) -> None:
@@ -145,8 +151,9 @@ class Supervisor:
             send(self.server, {"op": "template", "error": "no free slot uid is left in this sandbox"})
             return True
         taken, self.free = self.free[:wanted], self.free[wanted:]
-        specs = [SlotSpec(i, uid, directory, nproc, memory, atomic_kill=self.atomic_kill)
-                 for i, (uid, directory) in enumerate(taken)]
+        specs = [SlotSpec(i, uid, directory, nproc, memory, atomic_kill=self.atomic_kill, run_uid=run_uid,
+                          run_directory=run_directory)
+                 for i, (uid, directory, run_uid, run_directory) in enumerate(taken)]
         server_end, template_end = pair()
         pid = os.fork()
         if pid == 0:

@@ -11,6 +11,9 @@ It talks only to the server, over a control socket (:mod:`.channel`):
 
 It never reads what a slot process writes after its one ready byte: slot processes run reward code on model output,
 and nothing they say reaches the template or the server except through a request socket's fixed format.
+
+Before it imports the reward it forks the program runner (:mod:`.runner`), and gives each slot process it starts a
+socket to it, telling the runner which slot that socket belongs to.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from . import runner as runner_module
 from . import seccomp, slot as slots
 from . import worker
 from .channel import ChannelClosed, optional_fd, pair, recv, send
@@ -59,9 +63,22 @@ class Template:
         self.selector = selectors.DefaultSelector()
         self.loaded: Optional[worker.Loaded] = None
         self.closing = False
+        self.runner: Optional[socket.socket] = None
 
     # -- life ----------------------------------------------------------------------------------------------------
+    def _start_runner(self) -> None:
+        """Forks the program runner, with each slot's run uid and directory (before the reward is imported: the
+        runner never holds anything of it). A sandbox without run uids gets none: run() fails there."""
+        specs = [s.spec for s in self.slots]
+        if any(spec.uid is not None and spec.run_uid is None for spec in specs):
+            return
+        slot_map = {spec.index: runner_module.RunSlot(uid=spec.run_uid, directory=spec.run_directory,
+                                                      nproc=spec.nproc, memory=spec.memory,
+                                                      atomic_kill=spec.atomic_kill) for spec in specs}
+        _, self.runner = runner_module.start(slot_map)
+
     def run(self) -> None:
+        self._start_runner()
         try:
             self.loaded = worker.load(self.config)
         except worker.LoadError as e:
@@ -116,19 +133,36 @@ class Template:
         return not any(s.requests for s in self.slots)
 
     # -- slot processes ------------------------------------------------------------------------------------------
+    def _run_channel(self, s: _Slot) -> Optional[socket.socket]:
+        """A new socket to the runner for slot ``s``'s next process (None without a runner)."""
+        if self.runner is None:
+            return None
+        runner_end, slot_end = pair()
+        try:
+            send(self.runner, {"slot": s.spec.index}, fds=[runner_end.fileno()])
+        except OSError:  # the runner is gone: run() fails in this slot process, clearly
+            slot_end.close()
+            slot_end = None
+        runner_end.close()
+        return slot_end
+
     def _spawn(self, s: _Slot) -> None:
         parent_end, child_end = pair()
+        run_end = self._run_channel(s)
         try:
             pid = os.fork()
         except OSError:  # the pids limit: try again shortly
-            parent_end.close()
-            child_end.close()
+            for end in (parent_end, child_end, run_end):
+                if end is not None:
+                    end.close()
             s.respawn_at = time.monotonic() + RESPAWN_BACKOFF_S
             return
         if pid == 0:
             parent_end.close()
-            slots.run(self.loaded, s.spec, child_end, self.reuse)  # never returns
+            slots.run(self.loaded, s.spec, child_end, self.reuse, run_end)  # never returns
         child_end.close()
+        if run_end is not None:
+            run_end.close()
         s.pid, s.control, s.ready = pid, parent_end, False
         self.selector.register(parent_end, selectors.EVENT_READ, s)
 

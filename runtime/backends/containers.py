@@ -7,7 +7,8 @@ What a container gets (the docker backend's hardening):
   sandbox's supervisor needs them to run slot processes under uids of their own; the gRPC server drops to
   ``server_uid`` and slot processes hold no capability at all;
 - a read-only root filesystem (``/tmp`` included); each slot uid has its own tmpfs (``/tmp/slot-<uid>``, mode
-  0700, ``tmpfs_size``), so no sample can write where another can read; no SysV IPC or message queues;
+  0700, ``tmpfs_size``), so no sample can write where another can read, and so does the run uid paired with each
+  slot (the programs a reward runs); no SysV IPC or message queues;
 - the gRPC socket's directory is a 1 MiB ``nosuid,nodev,noexec`` tmpfs volume owned by the server uid (mode 0700):
   nothing a container writes lands on host disk, and no sample can reach the socket;
 - memory (no swap), CPU and pids limits; no network unless the reward asks; no ``/dev/shm`` under
@@ -53,7 +54,9 @@ class ContainerSpec:
     image: str
     name: str
     server_uid: int = 65534
-    slot_uids: tuple = ()  # (first, count): uids of the slot processes, each with its own tmpfs
+    # (first, count): uids of the slot processes, each with its own tmpfs; the next ``count`` uids are those of the
+    # programs their reward code runs (rewardbox.sandbox.run), one per slot, each with its own tmpfs too.
+    slot_uids: tuple = ()
     command: Optional[tuple] = None  # default: the sandbox server with the uids above
     labels: dict = field(default_factory=dict)
     environment: dict = field(default_factory=dict)
@@ -78,7 +81,8 @@ class ContainerSpec:
         command = ["--listen", f"unix://{SOCKET_DIR_IN_CONTAINER}/{SOCKET_NAME}", "--server-uid", str(self.server_uid)]
         if self.slot_uids:
             first, count = self.slot_uids
-            command += ["--slot-uids", f"{first}-{first + count - 1}"]
+            command += ["--slot-uids", f"{first}-{first + count - 1}",
+                        "--run-uids", f"{first + count}-{first + 2 * count - 1}"]
             if not is_gvisor(self.runtime):  # a Linux kernel: kill(-1) cannot race fork (see slot.kill_uid)
                 command.append("--atomic-kill")
         if self.slot_root:
@@ -104,7 +108,7 @@ class ContainerSpec:
         if self.slot_root:
             return {self.slot_root: f"rw,nosuid,nodev,size={self.tmpfs_size},mode=0777"}
         return {f"{SLOT_DIR_PREFIX}{uid}": f"rw,nosuid,nodev,size={self.tmpfs_size},mode=0700,uid={uid},gid={uid}"
-                for uid in range(first, first + count)}
+                for uid in range(first, first + 2 * count)}
 
     def run_kwargs(self, socket_mount: dict) -> dict:
         """Keyword arguments of docker-py's ``containers.run``; ``socket_mount`` is the socket directory's volume."""

@@ -1,0 +1,796 @@
+"""The program runner: runs the programs reward code hands to :func:`rewardbox.sandbox.run`, under uids of their own.
+
+A template forks one runner before it imports the reward (docker backend: as root holding SETUID, SETGID and KILL,
+like the template itself). Each slot process the template starts gets one end of a fresh socket pair, the runner
+the other, with the slot's index: the runner knows which run uid and scratch directory belong to that socket, so
+nothing a slot process says can choose them. When a slot's socket first has a request, the runner forks a monitor
+for it, which serves that socket's requests one after another until it closes; a slot's next monitor starts only
+after the last one ended, so two never share a run uid.
+
+For each program, the monitor:
+
+1. kills whatever the run uid still runs and empties its scratch directory (as in :func:`.slot.prepare`);
+2. writes the code, the files and the build's output there (as the run uid);
+3. forks the program: a session of its own, ``oom_score_adj`` 1000, the run uid (no capability left), limits on
+   CPU time, writable memory (``RLIMIT_DATA``) and address space, processes, file size and open files, a seccomp
+   filter without network (:mod:`.seccomp`), the scratch directory as cwd, HOME and TMPDIR, and a clean
+   environment (none of the reward's, secrets included);
+4. feeds stdin, reads stdout and stderr up to a limit, and kills the whole tree (every process of the run uid) when
+   the program exits, overruns its wall time or its output limit, or the slot process goes away;
+5. empties the directory again.
+
+The reward's own process runs under another uid: a program can neither signal, trace or read it, nor read or
+write its directory. Local backend and plain Python (no sandbox): the same, minus the uids (no isolation; a
+program runs as its caller). Standard library only.
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import json
+import math
+import os
+import resource
+import selectors
+import signal
+import socket
+import stat
+import struct
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from . import languages, seccomp
+from . import slot as slots
+
+_LENGTH = struct.Struct("<Q")
+MAX_REQUEST = 256 * 1024 * 1024
+MAX_RUNS = 1000
+MAX_FILES = 1000
+MAX_ARTIFACT = 256 * 1024 * 1024
+COMPILE_OUTPUT = 64 * 1024
+COMPILE_PROCESSES = 64
+OPEN_FILES = 256
+CLOSED = 3  # a monitor's exit code when its socket closed
+_PR_SET_CHILD_SUBREAPER = 36
+_MIB = 1 << 20
+BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+
+
+class RequestError(ValueError):
+    """A request the runner does not take; the message says which field and why."""
+
+
+@dataclass(frozen=True)
+class RunSlot:
+    """Where one slot's programs run: their uid (None: the caller's own, no isolation) and scratch directory."""
+
+    uid: Optional[int]
+    directory: str
+    nproc: Optional[int] = None  # RLIMIT_NPROC of the run uid (the sample's share of the sandbox's pids)
+    memory: Optional[int] = None  # the sample's address space budget, bytes (gVisor), caps memory_mb
+    atomic_kill: bool = False
+
+
+# -- frames ---------------------------------------------------------------------------------------------------------
+def write_frame(sock: socket.socket, message: dict) -> None:
+    data = json.dumps(message, separators=(",", ":")).encode()
+    sock.sendall(_LENGTH.pack(len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> Optional[bytes]:
+    chunks, size = [], 0
+    while size < n:
+        data = sock.recv(min(n - size, 1 << 20))
+        if not data:
+            return None
+        chunks.append(data)
+        size += len(data)
+    return b"".join(chunks)
+
+
+def read_frame(sock: socket.socket, limit: int) -> Optional[dict]:
+    """One JSON object, or None when the peer closed the socket.
+
+    Raises:
+        RequestError: over ``limit`` bytes, or not a JSON object.
+    """
+    header = _recv_exact(sock, _LENGTH.size)
+    if header is None:
+        return None
+    (length,) = _LENGTH.unpack(header)
+    if length > limit:
+        raise RequestError(f"a request of {length} bytes is over the limit of {limit}")
+    data = _recv_exact(sock, length)
+    if data is None:
+        return None
+    try:
+        message = json.loads(data)
+    except ValueError as e:
+        raise RequestError(f"not JSON: {e}") from None
+    if not isinstance(message, dict):
+        raise RequestError("not a JSON object")
+    return message
+
+
+# -- requests -------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Run:
+    stdin: bytes
+    args: tuple
+    expected: Optional[str]
+
+
+@dataclass(frozen=True)
+class Request:
+    language: languages.Language
+    code: bytes
+    files: dict  # relative path -> bytes
+    runs: tuple
+    timeout_s: float
+    memory_mb: int
+    max_output_bytes: int
+    compile_timeout_s: float
+    compare: str
+    stop_on_failure: bool
+
+
+def _number(message: dict, key: str, kind, low, high):
+    value = message.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(f"{key} must be a number, not {value!r}")
+    if not low <= value <= high:
+        raise RequestError(f"{key}={value!r} is outside [{low}, {high}]")
+    return kind(value)
+
+
+def _text(value, what: str) -> bytes:
+    if isinstance(value, str):
+        return value.encode("utf-8", "surrogateescape")
+    if isinstance(value, dict) and isinstance(value.get("base64"), str):
+        return base64.b64decode(value["base64"], validate=True)
+    raise RequestError(f"{what} must be text")
+
+
+def check_path(name) -> str:
+    """A file name for the scratch directory: relative, inside it, no special parts.
+
+    Raises:
+        RequestError: naming the problem.
+    """
+    if not isinstance(name, str) or not name or "\0" in name or len(name) > 1024:
+        raise RequestError(f"file name {name!r} is not usable")
+    parts = name.split("/")
+    if name.startswith("/") or any(p in ("", ".", "..") for p in parts) or any(len(p) > 255 for p in parts):
+        raise RequestError(f"file name {name!r} must be a relative path inside the scratch directory")
+    return name
+
+
+def parse(message: dict) -> Request:
+    """Checks a request from a slot process; nothing in it is trusted.
+
+    Raises:
+        RequestError: naming the field.
+    """
+    try:
+        language = languages.lookup(message.get("language"))
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    files = message.get("files") or {}
+    if not isinstance(files, dict) or len(files) > MAX_FILES:
+        raise RequestError(f"files must be a mapping of at most {MAX_FILES} names to contents")
+    reserved = {language.source, language.artifact}
+    checked = {}
+    for name, content in files.items():
+        if check_path(name) in reserved:
+            raise RequestError(f"file name {name!r} is where {language.name} code goes; choose another name")
+        checked[name] = _text(content, f"files[{name!r}]")
+    runs = message.get("runs")
+    if not isinstance(runs, list) or not 1 <= len(runs) <= MAX_RUNS:
+        raise RequestError(f"runs must be a list of 1 to {MAX_RUNS} runs")
+    parsed = []
+    for i, r in enumerate(runs):
+        if not isinstance(r, dict):
+            raise RequestError(f"runs[{i}] must be a mapping")
+        args = r.get("args") or []
+        if not isinstance(args, list) or not all(isinstance(a, str) and "\0" not in a for a in args):
+            raise RequestError(f"runs[{i}].args must be a list of strings")
+        expected = r.get("expected")
+        if expected is not None and not isinstance(expected, str):
+            raise RequestError(f"runs[{i}].expected must be text")
+        parsed.append(Run(_text(r.get("stdin", ""), f"runs[{i}].stdin"), tuple(args), expected))
+    compare = message.get("compare", "lines")
+    if compare not in COMPARISONS:
+        raise RequestError(f"compare={compare!r}: use one of {', '.join(COMPARISONS)}")
+    return Request(language=language, code=_text(message.get("code"), "code"), files=checked, runs=tuple(parsed),
+                   timeout_s=_number(message, "timeout_s", float, 0.001, 3600),
+                   memory_mb=_number(message, "memory_mb", int, 16, 1 << 20),
+                   max_output_bytes=_number(message, "max_output_bytes", int, 1, 1 << 30),
+                   compile_timeout_s=_number(message, "compile_timeout_s", float, 0.001, 3600),
+                   compare=compare, stop_on_failure=bool(message.get("stop_on_failure", False)))
+
+
+def _lines(text: str) -> list:
+    lines = [line.rstrip() for line in text.replace("\r\n", "\n").split("\n")]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
+COMPARISONS = {
+    "exact": lambda actual, expected: actual == expected,
+    "lines": lambda actual, expected: _lines(actual) == _lines(expected),  # trailing spaces and blank lines aside
+    "tokens": lambda actual, expected: actual.split() == expected.split(),
+}
+
+
+# -- one program ----------------------------------------------------------------------------------------------------
+@dataclass
+class Limits:
+    timeout_s: float
+    memory_mb: int
+    address_grace_mb: int
+    max_output_bytes: int
+    nproc: Optional[int]
+    file_bytes: int
+
+
+class SlotGone(Exception):
+    """The slot process that asked went away: stop at once."""
+
+
+class Monitor:
+    """Runs the requests of one slot socket (see the module docstring)."""
+
+    def __init__(self, slot: RunSlot, sock: Optional[socket.socket]):
+        self.slot = slot
+        self.sock = sock  # the slot's socket: its closing means the caller is gone
+        self.session = 0  # local backend: the last program's session, to kill
+
+    # ---- privileges
+    def _as_run_uid(self, reaper: bool = False) -> None:
+        """Acts as the run uid (files it owns, signals to its processes) while keeping the way back (saved 0).
+        ``reaper``: with a real uid no program has, so none of them can signal this process meanwhile."""
+        uid = self.slot.uid
+        os.setresgid(-1, uid, -1)
+        os.setresuid(uid | slots.REAPER_UID_BIT if reaper else -1, uid, 0)
+
+    def _as_root(self) -> None:
+        os.setresuid(0, 0, 0)
+        os.setresgid(-1, 0, -1)
+
+    # ---- the scratch directory
+    def clean(self) -> None:
+        """Kills every process of the run uid and empties its directory (and its files in /dev/shm)."""
+        if self.slot.uid is None:
+            if self.session:
+                try:
+                    os.killpg(self.session, signal.SIGKILL)
+                except OSError:
+                    pass
+            os.makedirs(self.slot.directory, mode=0o700, exist_ok=True)
+            slots.empty(self.slot.directory)
+            return
+        self._as_run_uid(reaper=True)
+        try:
+            slots.kill_uid(self.slot.uid, atomic=self.slot.atomic_kill)
+            slots.empty(self.slot.directory)
+            if os.path.isdir("/dev/shm"):  # only under isolation: worker (no /dev/shm otherwise)
+                for name in os.listdir("/dev/shm"):
+                    path = os.path.join("/dev/shm", name)
+                    try:
+                        if os.lstat(path).st_uid == self.slot.uid:
+                            os.unlink(path)
+                    except OSError:
+                        pass
+        finally:
+            self._as_root()
+
+    def _kill_tree(self) -> None:
+        if self.slot.uid is None:
+            try:
+                os.killpg(self.session, signal.SIGKILL)
+            except OSError:
+                pass
+            return
+        self._as_run_uid(reaper=True)
+        try:
+            slots.kill_uid(self.slot.uid, atomic=self.slot.atomic_kill)
+        finally:
+            self._as_root()
+
+    def materialize(self, entries: dict) -> None:
+        """Writes {relative path: (content, mode)} into the (empty) scratch directory, as the run uid."""
+        if self.slot.uid is not None:
+            self._as_run_uid()
+        try:
+            top = os.open(self.slot.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            try:
+                for name, (content, mode) in entries.items():
+                    parent = top
+                    *dirs, leaf = name.split("/")
+                    opened = []
+                    try:
+                        for d in dirs:
+                            try:
+                                os.mkdir(d, 0o700, dir_fd=parent)
+                            except FileExistsError:
+                                pass
+                            parent = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+                            opened.append(parent)
+                        fd = os.open(leaf, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode, dir_fd=parent)
+                        try:
+                            view = memoryview(content)
+                            while view:
+                                view = view[os.write(fd, view):]
+                        finally:
+                            os.close(fd)
+                    finally:
+                        for fd in opened:
+                            os.close(fd)
+            finally:
+                os.close(top)
+        finally:
+            if self.slot.uid is not None:
+                self._as_root()
+
+    def read_artifact(self, name: str) -> Optional[bytes]:
+        if self.slot.uid is not None:
+            self._as_run_uid()
+        try:
+            fd = os.open(os.path.join(self.slot.directory, name), os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode) or os.fstat(fd).st_size > MAX_ARTIFACT:
+                    return None
+                chunks = []
+                while True:
+                    chunk = os.read(fd, 1 << 20)
+                    if not chunk:
+                        return b"".join(chunks)
+                    chunks.append(chunk)
+            finally:
+                os.close(fd)
+        except OSError:
+            return None
+        finally:
+            if self.slot.uid is not None:
+                self._as_root()
+
+    # ---- running
+    def _child(self, argv: list, env: dict, limits: Limits, fds: tuple, report: int) -> None:
+        """In the forked child: becomes the program (never returns)."""
+        try:
+            os.setsid()
+            for target, fd in enumerate(fds):
+                os.dup2(fd, target)
+            os.dup2(report, 3)
+            os.set_inheritable(3, False)
+            os.closerange(4, 65536)
+            for sig in range(1, signal.NSIG):
+                if sig not in (signal.SIGKILL, signal.SIGSTOP):
+                    try:
+                        signal.signal(sig, signal.SIG_DFL)
+                    except (OSError, ValueError):
+                        pass
+            signal.pthread_sigmask(signal.SIG_SETMASK, set())
+            try:
+                with open("/proc/self/oom_score_adj", "w") as f:  # before the uid change: the file is ours now
+                    f.write("1000")
+            except OSError:
+                pass
+            uid = self.slot.uid
+            if uid is not None:
+                os.setgroups([])
+                os.setresgid(uid, uid, uid)
+            cpu = max(1, math.ceil(limits.timeout_s))
+            memory = limits.memory_mb * _MIB
+            for kind, value in ((resource.RLIMIT_CPU, (cpu, cpu + 1)), (resource.RLIMIT_DATA, (memory, memory)),
+                                (resource.RLIMIT_AS, ((limits.memory_mb + limits.address_grace_mb) * _MIB,) * 2),
+                                (resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes)),
+                                (resource.RLIMIT_NOFILE, (OPEN_FILES, OPEN_FILES)), (resource.RLIMIT_CORE, (0, 0))):
+                resource.setrlimit(kind, value)
+            if limits.nproc is not None:
+                resource.setrlimit(resource.RLIMIT_NPROC, (limits.nproc, limits.nproc))
+            if uid is not None:
+                os.setresuid(uid, uid, uid)  # no capability is left after this
+            seccomp.install(network=False)
+            os.chdir(self.slot.directory)
+            os.execvpe(argv[0], argv, env)
+        except BaseException as e:  # noqa: BLE001 - reported to the monitor, which reports it as the run's error
+            try:
+                os.write(3, f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:2000])
+            except OSError:
+                pass
+        os._exit(127)
+
+    def execute(self, argv: list, stdin: bytes, limits: Limits, env: dict) -> dict:
+        """Runs one program to its end. Returns its result (status before the run's own checks)."""
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        in_r, in_w = os.pipe()
+        report_r, report_w = os.pipe2(os.O_CLOEXEC)
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        start = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            self._child(argv, env, limits, (in_r, out_w, err_w), report_w)
+        for fd in (out_w, err_w, in_r, report_w):
+            os.close(fd)
+        self.session = pid
+        failure = b""
+        while True:  # empty when exec succeeded (the descriptor closes on exec)
+            chunk = os.read(report_r, 4096)
+            if not chunk:
+                break
+            failure += chunk
+        os.close(report_r)
+        outputs = {out_r: bytearray(), err_r: bytearray()}
+        selector = selectors.DefaultSelector()
+        for fd in outputs:
+            os.set_blocking(fd, False)
+            selector.register(fd, selectors.EVENT_READ)
+        os.set_blocking(in_w, False)
+        pending = memoryview(stdin)
+        if pending:
+            selector.register(in_w, selectors.EVENT_WRITE)
+        else:
+            os.close(in_w)
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(wake_w, False)
+        old_wakeup = signal.set_wakeup_fd(wake_w)
+        selector.register(wake_r, selectors.EVENT_READ)
+        if self.sock is not None:
+            selector.register(self.sock, selectors.EVENT_READ)
+        deadline = start + limits.timeout_s
+        killed_for, status_word, usage = None, None, None
+        try:
+            while status_word is None:
+                now = time.monotonic()
+                if now >= deadline:
+                    killed_for = "timeout"
+                    break
+                for key, _ in selector.select(timeout=deadline - now):
+                    fd = key.fileobj
+                    if fd is self.sock:
+                        if not self.sock.recv(1, socket.MSG_PEEK):
+                            raise SlotGone()
+                        selector.unregister(self.sock)  # a second request while this one runs: read later
+                    elif fd == wake_r:
+                        try:
+                            os.read(wake_r, 4096)
+                        except BlockingIOError:
+                            pass
+                    elif fd == in_w:
+                        try:
+                            pending = pending[os.write(in_w, pending[:65536]):]
+                        except BrokenPipeError:
+                            pending = pending[:0]
+                        except BlockingIOError:
+                            pass
+                        if not pending:
+                            selector.unregister(in_w)
+                            os.close(in_w)
+                    elif fd in outputs:
+                        drained = self._drain(fd, outputs[fd], limits.max_output_bytes)
+                        if drained is None:
+                            selector.unregister(fd)
+                        elif drained:
+                            killed_for = "output"
+                    if killed_for:
+                        break
+                if killed_for:
+                    break
+                waited, status, rusage = os.wait4(pid, os.WNOHANG)
+                if waited == pid:
+                    status_word, usage = status, rusage
+        finally:
+            signal.set_wakeup_fd(old_wakeup)
+            if self.sock is not None and self.sock in selector.get_map():
+                selector.unregister(self.sock)
+            self._kill_tree()
+            if status_word is None:
+                _, status_word, usage = os.wait4(pid, 0)
+            wall = time.monotonic() - start
+            if not killed_for:  # every writer is dead now: what is left in the pipes, up to the limit
+                for fd in outputs:
+                    if self._drain(fd, outputs[fd], limits.max_output_bytes):
+                        killed_for = "output"
+            selector.close()
+            for fd in (out_r, err_r, wake_r, wake_w):
+                os.close(fd)
+            if pending:  # stdin was not written to its end
+                os.close(in_w)
+            self._reap()
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+        return {"status_word": status_word, "killed_for": killed_for, "wall_s": round(wall, 6),
+                "cpu_s": round(max(cpu, usage.ru_utime + usage.ru_stime), 6),
+                "stdout": bytes(outputs[out_r]), "stderr": bytes(outputs[err_r]),
+                "failure": failure.decode("utf-8", "replace")}
+
+    @staticmethod
+    def _drain(fd: int, buffer: bytearray, limit: int) -> Optional[bool]:
+        """Reads what ``fd`` has now. Returns True when the stream went over ``limit`` (the excess is not kept),
+        None at its end, else False."""
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                return False
+            if not chunk:
+                return None
+            room = limit - len(buffer)
+            buffer += chunk[:max(0, room)]
+            if len(chunk) > room:
+                return True
+
+    @staticmethod
+    def _reap() -> None:
+        """Collects every exited descendant (this process is their subreaper)."""
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+
+    def _env(self, language: languages.Language) -> dict:
+        env = dict(BASE_ENV, HOME=self.slot.directory, TMPDIR=self.slot.directory, PWD=self.slot.directory)
+        if language.name == "python":
+            env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONIOENCODING="utf-8")
+            if os.environ.get("PYTHONPATH"):  # the image's packages (the reward's own pip packages among them)
+                env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+        return env
+
+    def result(self, raw: dict, limits: Limits, language: languages.Language) -> dict:
+        """The run's status from how it ended (see rewardbox.sandbox.RunResult)."""
+        status_word, killed_for = raw["status_word"], raw["killed_for"]
+        stderr = raw["stderr"].decode("utf-8", "replace")
+        signal_name = None
+        if os.WIFSIGNALED(status_word):
+            number = os.WTERMSIG(status_word)
+            exit_code = -number
+            try:
+                signal_name = signal.Signals(number).name
+            except ValueError:
+                signal_name = f"signal {number}"
+        else:
+            exit_code = os.WEXITSTATUS(status_word)
+        if raw["failure"]:
+            status = "runtime_error"
+            stderr = (stderr + f"\n[rewardbox] the program could not start: {raw['failure']}").lstrip("\n")
+        elif killed_for == "output":
+            status = "output_limit"
+        elif killed_for == "timeout":
+            status = "timeout"
+        elif exit_code == 0:
+            status = "ok"
+        elif signal_name == "SIGXCPU" or (signal_name == "SIGKILL" and raw["cpu_s"] >= limits.timeout_s):
+            status = "timeout"
+        elif signal_name == "SIGKILL" or any(m in stderr for m in language.memory_markers):
+            status = "memory"  # an allocation failed, or the kernel's OOM killer took it (oom_score_adj 1000)
+        elif signal_name == "SIGXFSZ":
+            status = "runtime_error"
+            stderr += "\n[rewardbox] a file grew over the file size limit"
+        else:
+            status = "runtime_error"
+        return {"status": status, "exit_code": exit_code, "signal": signal_name,
+                "stdout": raw["stdout"].decode("utf-8", "replace"), "stderr": stderr,
+                "wall_s": raw["wall_s"], "cpu_s": raw["cpu_s"]}
+
+    def serve(self, request: Request) -> dict:
+        """Builds (if the language has a build step) and runs the request's programs."""
+        language = request.language
+        problem = languages.missing_tool(language)
+        if problem:
+            return {"error": problem}
+        memory_mb = request.memory_mb
+        if self.slot.memory is not None:  # gVisor: the sample's own budget caps what its programs get
+            memory_mb = min(memory_mb, max(16, self.slot.memory // _MIB))
+        entries = {language.source: (request.code, 0o644)}
+        entries.update({name: (content, 0o644) for name, content in request.files.items()})
+        file_bytes = max(64 * _MIB, 2 * request.max_output_bytes)
+        compiled = None
+        self.clean()
+        try:
+            if language.build:
+                self.materialize(entries)
+                limits = Limits(request.compile_timeout_s, max(memory_mb, 2048), 256, COMPILE_OUTPUT,
+                                max(self.slot.nproc or 0, COMPILE_PROCESSES), file_bytes)
+                raw = self.execute(languages.argv(language.build, memory_mb), b"", limits, self._env(language))
+                compiled = self.result(raw, limits, language)
+                artifact = self.read_artifact(language.artifact) if compiled["status"] == "ok" else None
+                if artifact is None:
+                    if compiled["status"] == "timeout":
+                        compiled["stderr"] += f"\n[rewardbox] the build ran past {request.compile_timeout_s:g}s"
+                    elif compiled["status"] == "ok":
+                        compiled["stderr"] += f"\n[rewardbox] the build left no {language.artifact}"
+                    failed = dict(compiled, status="compile_error", exit_code=compiled["exit_code"])
+                    runs = [dict(failed, passed=False if r.expected is not None else None) for r in request.runs]
+                    return {"compile": compiled, "runs": runs}
+                entries[language.artifact] = (artifact, 0o755)
+            limits = Limits(request.timeout_s, memory_mb, language.address_grace_mb, request.max_output_bytes,
+                            self.slot.nproc, file_bytes)
+            results = []
+            for i, run in enumerate(request.runs):
+                if i or language.build:
+                    self.clean()  # every run starts from the same files: nothing one run wrote reaches the next
+                self.materialize(entries)
+                raw = self.execute(languages.argv(language.run, memory_mb) + list(run.args), run.stdin, limits,
+                                   self._env(language))
+                result = self.result(raw, limits, language)
+                if run.expected is not None:
+                    result["passed"] = result["status"] == "ok" and COMPARISONS[request.compare](
+                        result["stdout"], run.expected)
+                results.append(result)
+                if request.stop_on_failure and result.get("passed") is False:
+                    break
+            return {"compile": compiled, "runs": results}
+        finally:
+            self.clean()
+
+    def loop(self) -> int:
+        """Serves the slot socket until it closes. Returns the exit code."""
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that a program's exit wakes execute()
+        while True:
+            try:
+                message = read_frame(self.sock, MAX_REQUEST)
+            except RequestError as e:
+                write_frame(self.sock, {"error": f"rewardbox.sandbox.run: {e}"})
+                return 0  # the stream cannot be trusted to be at a frame boundary any more
+            except OSError:
+                return CLOSED
+            if message is None:
+                return CLOSED
+            try:
+                reply = self.serve(parse(message))
+            except RequestError as e:
+                reply = {"error": f"rewardbox.sandbox.run: {e}"}
+            except SlotGone:
+                return CLOSED
+            try:
+                write_frame(self.sock, reply)
+            except OSError:
+                return CLOSED
+
+
+def _start_monitor(slot: RunSlot, sock: socket.socket, keep: tuple = ()) -> int:
+    """Forks a monitor for ``sock``. Returns its pid."""
+    pid = os.fork()
+    if pid == 0:
+        code = 70
+        try:
+            from .supervisor import die_with_parent
+
+            die_with_parent()
+            for fd in keep:
+                os.close(fd)
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+            code = Monitor(slot, sock).loop()
+        finally:
+            os._exit(code)
+    return pid
+
+
+# -- the runner -----------------------------------------------------------------------------------------------------
+class Runner:
+    """One per template: hands each slot socket with a request to a monitor, one monitor per slot at a time."""
+
+    def __init__(self, control: socket.socket, slot_map: dict):
+        self.control = control
+        self.slots = slot_map  # index -> RunSlot
+        self.sockets: dict = {}  # index -> the current slot process's socket, while no monitor has it
+        self.busy: dict = {}  # monitor pid -> index
+        self.selector = selectors.DefaultSelector()
+
+    def run(self) -> None:
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.selector.register(wake_r, selectors.EVENT_READ, "wake")
+        self.selector.register(self.control, selectors.EVENT_READ, "control")
+        while True:
+            for key, _ in self.selector.select():
+                if key.data == "wake":
+                    os.read(wake_r, 4096)
+                    self._reap()
+                elif key.data == "control":
+                    if not self._from_template():
+                        return
+                else:
+                    self._start(key.data)
+
+    def _from_template(self) -> bool:
+        from .channel import ChannelClosed, optional_fd, recv
+
+        try:
+            message, fds = recv(self.control)
+        except (ChannelClosed, OSError, ValueError):
+            return False
+        fd = optional_fd(fds)
+        index = message.get("slot")
+        if fd is None or index not in self.slots:
+            if fd is not None:
+                os.close(fd)
+            return True
+        old = self.sockets.pop(index, None)
+        if old is not None:
+            self.selector.unregister(old)
+            old.close()
+        sock = socket.socket(fileno=fd)
+        sock.setblocking(True)
+        self.sockets[index] = sock
+        if index not in self.busy.values():
+            self.selector.register(sock, selectors.EVENT_READ, index)
+        return True
+
+    def _start(self, index: int) -> None:
+        sock = self.sockets.pop(index)
+        self.selector.unregister(sock)
+        keep = [self.control.fileno(), *(s.fileno() for s in self.sockets.values())]
+        try:
+            pid = _start_monitor(self.slots[index], sock, tuple(keep))
+        except OSError:  # the pids limit: the caller sees its socket close and reports it
+            sock.close()
+            return
+        sock.close()
+        self.busy[pid] = index
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            index = self.busy.pop(pid, None)
+            if index is not None and index in self.sockets:  # the slot's next process waited for this one
+                self.selector.register(self.sockets[index], selectors.EVENT_READ, index)
+
+
+def start(slot_map: dict) -> tuple:
+    """Forks a runner for ``slot_map`` (index -> RunSlot). Returns (pid, the template's end of its socket)."""
+    from .channel import pair
+
+    template_end, runner_end = pair()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            from .supervisor import die_with_parent
+
+            die_with_parent()
+            keep = runner_end.fileno()
+            os.closerange(3, keep)
+            os.closerange(keep + 1, 65536)
+            Runner(runner_end, slot_map).run()
+        except BaseException:  # noqa: BLE001 - the template sees the socket close; slots' run() calls fail clearly
+            code = 70
+        finally:
+            os._exit(code)
+    runner_end.close()
+    return pid, template_end
+
+
+def main(argv: Optional[list] = None) -> int:
+    """``python -m rewardbox.sandbox.runner FD``: serves one socket outside any sandbox (plain Python, the in-process
+    backend), in a temporary directory, as the caller's own user."""
+    fd = int((argv if argv is not None else sys.argv[1:])[0])
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    from .supervisor import die_with_parent
+
+    die_with_parent()
+    with tempfile.TemporaryDirectory(prefix="rbx-run-") as directory:
+        slot = RunSlot(uid=None, directory=os.path.join(directory, "scratch"))
+        return Monitor(slot, socket.socket(fileno=fd)).loop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
