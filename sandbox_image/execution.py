@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -95,11 +96,19 @@ class _Channel:
 
     def call(self, request: dict) -> dict:
         with self.lock:
+            # The reward's own timeout (SIGALRM) waits until the reply is in: raised in the middle of the exchange
+            # it would leave half a frame on the socket for the next call. Past its timeout the sandbox kills
+            # the process, and the runner, seeing the socket close, kills the program.
+            masked = threading.current_thread() is threading.main_thread()
+            old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM}) if masked else None
             try:
                 runner_module.write_frame(self.sock, request)
                 reply = runner_module.read_frame(self.sock, MAX_REPLY)
             except (OSError, runner_module.RequestError) as e:
                 raise RunnerUnavailable(f"the program runner failed: {e}") from None
+            finally:
+                if masked:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, old)
             if reply is None:
                 raise RunnerUnavailable("the program runner went away (the sandbox is stopping, or it ran out of "
                                         "processes: see the reward's pids)")

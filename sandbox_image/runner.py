@@ -238,8 +238,12 @@ class Limits:
     file_bytes: int
 
 
-class SlotGone(Exception):
-    """The slot process that asked went away: stop at once."""
+class SlotGone(BaseException):
+    """The slot process that asked went away, or the runner did: stop at once (killing the program)."""
+
+
+def _runner_gone(signum, frame):
+    raise SlotGone()
 
 
 class Monitor:
@@ -667,7 +671,9 @@ def _start_monitor(slot: RunSlot, sock: socket.socket, keep: tuple = ()) -> int:
         try:
             from .supervisor import die_with_parent
 
-            die_with_parent()
+            # Not SIGKILL: a monitor that loses its runner (the template closed) still kills its program first.
+            signal.signal(signal.SIGTERM, _runner_gone)
+            die_with_parent(signal.SIGTERM)
             for fd in keep:
                 os.close(fd)
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)

@@ -298,7 +298,8 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
     from . import execution  # here: execution imports this module
 
     execution.attach(run_fd, "" if run_fd is not None or slot.uid is None else
-                     "this sandbox has no uid for programs (started without --run-uids)")
+                     "this sandbox cannot run programs: it has no uid for them (started without --run-uids) or its "
+                     "program runner is gone (see the sandbox's log)")
     worker.install_capture()
     return mark
 

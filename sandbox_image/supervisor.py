@@ -32,10 +32,10 @@ SLOT_DIR_PREFIX = "/tmp/slot-"  # docker backend: one tmpfs per slot uid, mode 0
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
-    """Asks the kernel to SIGKILL this process when its parent exits."""
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Asks the kernel to send ``sig`` (SIGKILL) to this process when its parent exits."""
     # CDLL(None): the libc already loaded (find_library would run ldconfig in a subprocess).
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
 @dataclass(frozen=True)

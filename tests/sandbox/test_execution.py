@@ -1,0 +1,155 @@
+"""``rewardbox.sandbox.run`` / ``run_tests`` without containers: in plain Python (a helper process runs the
+programs) and through the local backend's sandbox server (the template's runner). Statuses, limits, cleanup between
+runs, the no-network filter, and the checks on what reward code asks for. The same in real containers, under uids
+of their own: tests/docker/test_code_execution.py."""
+
+from __future__ import annotations
+
+import platform
+import struct
+
+import pytest
+
+from rewardbox import build_samples
+from rewardbox.sandbox import run, run_tests
+from rewardbox.sandbox import runner, seccomp
+from tests.conftest import run as run_async
+
+
+def test_a_program_reads_stdin_args_and_files_and_writes_stdout():
+    r = run("import sys\nprint(input()[::-1], sys.argv[1:], open('data/x.txt').read())", stdin="abc",
+            args=["-v", "2"], files={"data/x.txt": b"bytes"})
+    assert (r.status, r.exit_code, r.stdout) == ("ok", 0, "cba ['-v', '2'] bytes\n"), r.stderr
+    assert r.ok and r.wall_s > 0 and r.cpu_s > 0
+
+
+@pytest.mark.parametrize("code, kwargs, status", [
+    ("while True:\n    pass", {"timeout_s": 1}, "timeout"),
+    ("import time\ntime.sleep(60)", {"timeout_s": 1}, "timeout"),
+    ("x = bytearray(4 << 30)", {"memory_mb": 128}, "memory"),
+    ("x = []\nwhile True:\n    x.append(bytearray(1 << 20))", {"memory_mb": 128}, "memory"),
+    ("import sys\nsys.exit(3)", {}, "runtime_error"),
+    ("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)", {}, "runtime_error"),
+    ("while True:\n    print('x' * 1000)", {"max_output_bytes": 10000}, "output_limit"),
+    ("import sys\nsys.stderr.write('y' * 100000)", {"max_output_bytes": 10000}, "output_limit"),
+    ("open('big', 'wb').write(b'x' * (200 << 20))", {"max_output_bytes": 1000}, "runtime_error"),  # file size
+])
+def test_each_way_a_program_can_end_has_its_status(code, kwargs, status):
+    r = run(code, **kwargs)
+    assert r.status == status, (r, code)
+
+
+def test_statuses_carry_what_the_program_printed_and_how_it_ended():
+    r = run("import sys\nprint('partial')\nsys.stderr.write('boom')\nsys.exit(4)")
+    assert (r.status, r.exit_code, r.stdout, r.stderr) == ("runtime_error", 4, "partial\n", "boom")
+    r = run("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
+    assert (r.exit_code, r.signal) == (-9, "SIGKILL")
+    r = run("print('x' * 5000)", max_output_bytes=100)
+    assert r.status == "output_limit" and r.stdout == "x" * 100
+
+
+def test_a_program_has_no_network_but_unix_sockets():
+    r = run("import socket\n"
+            "socket.socketpair()\n"
+            "for family in (socket.AF_INET, socket.AF_INET6, socket.AF_NETLINK):\n"
+            "    try:\n"
+            "        socket.socket(family, socket.SOCK_DGRAM)\n"
+            "        print('opened', family)\n"
+            "    except PermissionError:\n"
+            "        print('refused')\n")
+    assert r.stdout.split() == ["refused"] * 3, r
+
+
+def test_every_run_starts_in_an_empty_directory_and_leaves_no_process():
+    first = run("import os, time\nopen('left', 'w').write('x')\n"
+                "if os.fork() == 0:\n    time.sleep(30)\nprint(os.getcwd())")
+    assert first.ok
+    second = run("import os\nprint(sorted(os.listdir('.')))")
+    assert second.stdout == "['main.py']\n"
+    import os
+
+    assert not os.path.exists(os.path.join(first.stdout.strip(), "left"))
+
+
+def test_the_environment_is_clean():
+    import os
+
+    os.environ["RBX_TEST_SECRET"] = "hidden"
+    try:
+        r = run("import os\nprint(sorted(os.environ))")
+    finally:
+        del os.environ["RBX_TEST_SECRET"]
+    assert "RBX_TEST_SECRET" not in r.stdout and "HOME" in r.stdout
+
+
+def test_run_tests_counts_passes_and_compares_by_lines_tokens_or_exactly():
+    code = "n = int(input())\nprint(n * 2, ' ')\nprint()"
+    tests = [{"stdin": "1", "stdout": "2"}, {"stdin": "5", "stdout": "10\n"}, {"stdin": "3", "stdout": "7"}]
+    t = run_tests(code, tests)
+    assert (t.passed, t.total, t.fraction, t.status) == (2, 3, 2 / 3, "wrong_answer")
+    assert [r.passed for r in t.results] == [True, True, False]
+    assert run_tests(code, tests, compare="exact").passed == 0
+    assert run_tests("print(' 2 ')", [{"stdout": "2"}], compare="tokens").passed == 1
+    stopped = run_tests(code, [tests[2], tests[0]], stop_on_failure=True)
+    assert (stopped.passed, stopped.total, len(stopped.results)) == (0, 2, 1)
+    assert run_tests("import sys\nsys.exit(1)", tests[:1]).status == "runtime_error"
+    assert run_tests(code, []).fraction == 0.0
+
+
+def test_one_test_cannot_leave_anything_for_the_next():
+    code = "import os\nprint(len(os.listdir('.')))\nopen(f'x{os.getpid()}', 'w').write('x')"
+    t = run_tests(code, [{"stdout": "1"}] * 3)
+    assert t.passed == 3, t.results
+
+
+def test_bash_programs_run_too():
+    assert run("read a b\necho $((a + b))", language="bash", stdin="2 3").stdout == "5\n"
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: run("print(1)", language="cobol"), "language 'cobol'"),
+    (lambda: run("print(1)", files={"../x": "y"}), "relative path"),
+    (lambda: run("print(1)", files={"main.py": "y"}), "where python code goes"),
+    (lambda: run("print(1)", timeout_s=-1), "timeout_s"),
+    (lambda: run("print(1)", memory_mb=1), "memory_mb"),
+    (lambda: run_tests("print(1)", [{"stdin": ""}]), "expected 'stdout'"),
+])
+def test_bad_requests_fail_clearly(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_the_runner_checks_every_field_it_is_sent():
+    good = {"language": "python", "code": "x", "runs": [{"stdin": ""}], "timeout_s": 1, "memory_mb": 64,
+            "max_output_bytes": 10, "compile_timeout_s": 1}
+    assert runner.parse(good).timeout_s == 1.0
+    for field, value in [("runs", []), ("runs", [{"args": "notalist"}]), ("timeout_s", float("nan")),
+                         ("timeout_s", True), ("files", {"/etc/passwd": "x"}), ("files", {"a/../../b": "x"}),
+                         ("code", 3), ("compare", "fuzzy"), ("memory_mb", 10 ** 9)]:
+        with pytest.raises(runner.RequestError):
+            runner.parse(dict(good, **{field: value}))
+
+
+def test_the_programs_filter_refuses_sockets_other_than_unix():
+    machine = platform.machine()
+    if machine not in ("x86_64", "aarch64"):
+        pytest.fail(f"no seccomp table for {machine}")
+    strict, relaxed = seccomp.program(machine, network=False), seccomp.program(machine, network=True)
+    assert len(strict) > len(relaxed) and len(strict) % 8 == 0
+    instructions = [struct.unpack("<HBBI", strict[i:i + 8]) for i in range(0, len(strict), 8)]
+    assert (0x20, 0, 0, 16) in instructions  # loads socket()'s first argument, the address family
+
+
+REWARD = """
+from rewardbox.sandbox import run_tests
+
+def judge(prompt, completion, example):
+    return run_tests(completion, [{"stdin": "2", "stdout": "4"}, {"stdin": "3", "stdout": "6"}]).fraction
+"""
+
+
+def test_a_reward_runs_programs_through_the_local_sandbox_server(sandboxes):
+    s = sandboxes([{"name": "judge", "code": REWARD, "timeout_s": 20}])
+    report = run_async(s["judge"].client.score(build_samples(
+        ["p"] * 3, ["print(int(input()) * 2)", "print(4)", "while True: pass"], {})))
+    assert report.values == [1.0, 0.5, 0.0], report.errors
