@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import logging
 import os
 import sys
@@ -22,6 +23,33 @@ def _become(uid: int) -> None:
     os.setgroups([])
     os.setgid(uid)
     os.setuid(uid)
+
+
+def scrub_environment_block() -> bool:
+    """Zeroes the environment this process was started with where the kernel shows it (``/proc/<pid>/environ``,
+    which every process forked from it inherits), after moving every variable to the heap (``os.environ`` and
+    the C library's ``environ`` are unchanged). gVisor lets any uid read another process's ``environ``: without
+    this, a program a reward runs could read the reward's secrets there. Returns whether it found the block."""
+    with open("/proc/self/environ", "rb") as f:
+        block = f.read()
+    if not block:
+        return True
+    with open("/proc/self/stat") as f:
+        start = int(f.read().rsplit(")", 1)[1].split()[47])  # env_start (field 50); gVisor reports 0
+    if not start or ctypes.string_at(start, len(block)) != block:
+        start = 0
+        with open("/proc/self/maps") as f:
+            for line in f:
+                if line.rstrip().endswith("[stack]"):
+                    low, high = (int(x, 16) for x in line.split()[0].split("-"))
+                    at = ctypes.string_at(low, high - low).rfind(block)
+                    start = low + at if at >= 0 else 0
+    if not start:
+        return False
+    for key, value in os.environ.items():
+        os.putenv(key, value)  # a heap copy; the C library's environ points at it from now on
+    ctypes.memset(start, 0, len(block))
+    return True
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -42,6 +70,14 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--default-warm", type=int, default=None, help="warm processes of a reward that sets none")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s sandbox %(levelname)s %(message)s")
+    if args.slot_uids:
+        try:
+            found = scrub_environment_block()
+        except (OSError, ValueError, IndexError):
+            found = False
+        if not found:
+            logging.warning("the environment block could not be cleared: under gVisor, programs that rewards run "
+                            "may read this sandbox's environment in /proc")
     if args.slot_uids:
         uids = supervisor_module.parse_uids(args.slot_uids)
         run_uids = supervisor_module.parse_uids(args.run_uids) if args.run_uids else ()
