@@ -9,7 +9,11 @@
     OpenAI-compatible endpoint that answers after 200 ms: sandboxed (``isolation: worker``) versus in-process
     ``asyncio.gather`` of the same function with its one client;
 (f) the trivial reward of (a) (``isolation: worker``) through a shared service (``rewardbox serve`` in a process of
-    its own, TLS and a token over loopback TCP, ``backend: remote``) beside the local Unix-socket path of (a).
+    its own, TLS and a token over loopback TCP, ``backend: remote``) beside the local Unix-socket path of (a);
+(g) samples per second of a code-execution reward (64 programs, a few wrong, each on 3 stdin/stdout tests):
+    ``run_tests`` sandboxed (``isolation: sample``, ``workers: 2``) under runc and gVisor, versus the naive reward
+    (``subprocess.run`` per test) in-process on a pool of 2 threads, and versus one ``docker run`` per sample, 2 at
+    a time; beside open-r1's published E2B figure.
 Targets are printed beside the figures, never asserted.
 """
 
@@ -62,8 +66,8 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def _config(directory: Path, base_image: str, rewards: list[dict]):
-    return parse_config({"sandbox": {"backend": "docker", "docker": {"base_image": base_image}},
+def _config(directory: Path, base_image: str, rewards: list[dict], **docker):
+    return parse_config({"sandbox": {"backend": "docker", "docker": {"base_image": base_image, **docker}},
                          "rewards": [{"source": "bench_rewards.py", **r} for r in rewards]}, directory)
 
 
@@ -97,7 +101,7 @@ def _batch_times(reward, samples: list, iterations: int, pace_s: float) -> list[
     return asyncio.run(batches())
 
 
-PARTS = "abcdef"
+PARTS = "abcdefg"
 WORKER = "isolation: worker"
 
 
@@ -165,6 +169,9 @@ def run_bench(base_image: str, iterations: int = 200, progress: Callable[[str], 
         if "e" in parts:
             progress("(e) 256 judge calls at 200 ms latency, sandboxed and in-process")
             figures.extend(_judge(client, directory, base_image))
+
+        if "g" in parts:
+            figures.extend(_code(client, builder, directory, base_image, progress))
     return figures
 
 
@@ -382,3 +389,148 @@ def _judge(client, directory: Path, base_image: str) -> list[Figure]:
                f"{boxed * 1000:.0f} ms ({fallbacks} fell back)", "-", None),
         Figure("judge calls, sandboxed vs in-process", f"{ratio:.2f}x", "<= 1.5x", ratio <= 1.5 and not fallbacks),
     ]
+
+
+CODE_TESTS = [{"stdin": "1 2\n", "stdout": "3"}, {"stdin": "-5 5\n", "stdout": "0"},
+              {"stdin": "1000000 2345\n", "stdout": "1002345"}]
+CODE_BATCHES = 3
+DOCKER_RUNS = 16  # one container per sample is slow: fewer samples, one batch
+# The reward of the sandboxed variants: it prints how long each sample took, for the latency figure.
+CODE_SANDBOXED = textwrap.dedent(
+    f"""
+    import time
+    from rewardbox.sandbox import run_tests
+
+    TESTS = {CODE_TESTS!r}
+
+    def pass_rate(prompt, completion, example):
+        t0 = time.perf_counter()
+        fraction = run_tests(completion, TESTS, timeout_s=5).fraction
+        print(f"took {{time.perf_counter() - t0:.6f}}")
+        return fraction
+    """
+)
+# The naive reward, no isolation at all: run in-process on the host, and as the driver of one docker run per sample.
+CODE_NAIVE = textwrap.dedent(
+    f"""
+    import subprocess, sys
+
+    TESTS = {CODE_TESTS!r}
+
+    def pass_rate(prompt, completion, example):
+        passed = 0
+        for test in TESTS:
+            try:
+                r = subprocess.run([sys.executable, "-c", completion], input=test["stdin"], capture_output=True,
+                                   text=True, timeout=5)
+            except subprocess.TimeoutExpired:
+                continue
+            passed += r.returncode == 0 and r.stdout.strip() == test["stdout"]
+        return passed / len(TESTS)
+    """
+)
+
+
+def _programs(n: int) -> tuple[list[str], list[float]]:
+    """``n`` programs that should print the sum of two ints, and their expected scores: every 16th prints the
+    difference instead, every 32nd crashes."""
+    programs, expected = [], []
+    for i in range(n):
+        body = "print(a - b)" if i % 16 == 5 else "print(a + b // 0)" if i % 32 == 13 else "print(a + b)"
+        programs.append(f"# sample {i}\na, b = map(int, input().split())\n{body}\n")
+        expected.append(1.0 if body == "print(a + b)" else 0.0)
+    return programs, expected
+
+
+def _two_at_a_time(score: Callable[[str], float], programs: list[str], batches: int):
+    """Scores ``programs`` ``batches`` times on a pool of 2 threads, after 2 samples of warm-up. Returns (samples
+    per second, each sample's seconds, each batch's scores)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def timed(program: str):
+        t0 = time.perf_counter()
+        return score(program), time.perf_counter() - t0
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(timed, programs[:2]))
+        t0 = time.perf_counter()
+        runs = [list(pool.map(timed, programs)) for _ in range(batches)]
+        elapsed = time.perf_counter() - t0
+    return len(programs) * batches / elapsed, [s for run in runs for _, s in run], [[v for v, _ in r] for r in runs]
+
+
+def _code_sandboxed(client, directory: Path, base_image: str, runtime: str | None, programs: list[str]):
+    """``run_tests`` in a sandbox (``isolation: sample``, ``workers: 2``), a warm-up batch then CODE_BATCHES. Returns
+    as :func:`_two_at_a_time`, the latencies as the reward measured them."""
+    import re
+
+    config = _config(directory, base_image, [{"name": "pass_rate", "source": "code_rewards.py", "workers": 2,
+                                              "cpus": 2, "isolation": "sample", "timeout_s": 20}], runtime=runtime)
+    batch = build_samples(["p"] * len(programs), programs, {})
+    with RewardSandboxes(config, backend=_backend(config, client)) as sandboxes:
+        reward = sandboxes.rewards[0]
+
+        async def batches():
+            await reward.client.score(batch)
+            t0 = time.perf_counter()
+            reports = [await reward.client.score(batch) for _ in range(CODE_BATCHES)]
+            return time.perf_counter() - t0, reports
+
+        elapsed, reports = asyncio.run(batches())
+    latencies = [float(s) for r in reports for s in re.findall(r"took (\d+\.\d+)", r.logs)]
+    return len(programs) * CODE_BATCHES / elapsed, latencies, [r.values for r in reports]
+
+
+def _code(client, builder: ImageBuilder, directory: Path, base_image: str, progress) -> list[Figure]:
+    """(g) a code-execution reward: sandboxed (runc, gVisor), naive in-process, one docker run per sample."""
+    (directory / "code_rewards.py").write_text(CODE_SANDBOXED)
+    programs, expected = _programs(64)
+    namespace: dict = {}
+    exec(CODE_NAIVE, namespace)
+    naive = namespace["pass_rate"]
+    runsc = "runsc" in client.info().get("Runtimes", {})
+    driver = CODE_NAIVE + "\nimport os\nprint(pass_rate('', os.environ['PROGRAM'], {}))\n"
+
+    def docker_run(runtime):
+        image = builder.ensure(base_image, [])  # the sandbox image of no packages, built by the runc variant
+        return lambda program: float(client.containers.run(
+            image, ["-c", driver], entrypoint=["python3"], environment={"PROGRAM": program}, network_mode="none",
+            remove=True, runtime=runtime))
+
+    variants = [
+        ("runc", "sandboxed, docker (runc), isolation: sample, workers: 2, 64-sample batches",
+         lambda: _code_sandboxed(client, directory, base_image, None, programs)),
+        ("gvisor", "sandboxed, docker (gVisor), isolation: sample, workers: 2, 64-sample batches",
+         (lambda: _code_sandboxed(client, directory, base_image, "runsc", programs)) if runsc else None),
+        ("naive", "in-process, subprocess.run per test, 2 threads, no isolation, 64-sample batches",
+         lambda: _two_at_a_time(lambda program: naive("p", program, {}), programs, CODE_BATCHES)),
+        ("run", f"one docker run per sample (runc), 2 at a time, {DOCKER_RUNS} samples",
+         lambda: _two_at_a_time(docker_run(None), programs[:DOCKER_RUNS], 1)),
+        ("run-gvisor", f"one docker run per sample (gVisor), 2 at a time, {DOCKER_RUNS} samples",
+         (lambda: _two_at_a_time(docker_run("runsc"), programs[:DOCKER_RUNS], 1)) if runsc else None),
+    ]
+    figures, rates = [], {}
+    for key, label, measure in variants:
+        name = f"code execution samples/s (3 tests each), {label}"
+        if not measure:
+            figures.append(Figure(name, "n/a (no runsc runtime)", "-", None))
+            continue
+        progress(f"(g) code execution, {label}")
+        rates[key], latencies, scores = measure()
+        wrong = sum(s != expected[:len(s)] for s in scores)
+        value = f"{rates[key]:.1f}"
+        if latencies:
+            value += f" (p50 {statistics.median(latencies) * 1000:.0f} ms/sample)"
+        if wrong:
+            value += f", {wrong} batch(es) scored wrong!"
+        figures.append(Figure(name, value, "-", None))
+    figures.append(Figure("code execution samples/s, open-r1's E2B: 64 samples in 17.2 s at 64-way parallelism "
+                          "(open-r1 PR #546)", f"{64 / 17.2:.1f}", "-", None))
+    # Starting the programs (3 interpreters a sample) costs both sides alike; a container per sample adds its own.
+    speedup = rates["runc"] / rates["run"]
+    figures.append(Figure("code execution samples/s, sandboxed (runc) vs one docker run per sample (runc)",
+                          f"{speedup:.1f}x", ">= 3x", speedup >= 3))
+    ratio = rates["runc"] / rates["naive"]
+    figures.append(Figure("code execution samples/s, sandboxed (runc) vs in-process with no isolation (the host's "
+                          "interpreter)", f"{ratio:.0%}", "-", None))
+    return figures
