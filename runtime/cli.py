@@ -199,8 +199,10 @@ def build(
         docker_settings = cfg.sandbox.backend_settings("docker")
         builder = ImageBuilder(engine_client(), docker_settings.cache_dir, on_output=_progress_printer())
         tags = []
-        for packages, (tag, owners) in builder.ensure_images(cfg.rewards, docker_settings, force=force).items():
-            out_console.print(f"{tag}  rewards: {', '.join(owners)}  packages: {', '.join(packages) or '-'}")
+        for (packages, system), (tag, owners) in builder.ensure_images(cfg.rewards, docker_settings,
+                                                                       force=force).items():
+            out_console.print(f"{tag}  rewards: {', '.join(owners)}  packages: {', '.join(packages) or '-'}"
+                              + (f"  system packages: {', '.join(system)}" if system else ""))
             tags.append(tag)
         if push:
             service = builder.ensure_service(docker_settings, force=force)
@@ -274,8 +276,8 @@ def train(
 def bench(
     base_image: str = typer.Option("auto", help="base image of the sandbox image (sandbox.docker.base_image)"),
     iterations: int = typer.Option(200, min=10, help="64-sample batches for the overhead figure"),
-    parts: str = typer.Option("abcdef", help="which parts to run (see `rewardbox.bench`): a overhead, b throughput, "
-                              "c cold start, d builds, e LLM judge, f remote path"),
+    parts: str = typer.Option("abcdefg", help="which parts to run (see `rewardbox.bench`): a overhead, b throughput, "
+                              "c cold start, d builds, e LLM judge, f remote path, g code execution"),
 ) -> None:
     """Measure sandbox overhead, throughput, cold start and build times; print them beside our targets."""
     _setup_logging(False)

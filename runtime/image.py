@@ -3,6 +3,8 @@
 The user's packages (and the server's own) are resolved and downloaded **on the host** into a wheelhouse for the
 base image's Python version and platform, then installed in the image with ``pip --no-index``: the build needs no
 network, so it works where containers cannot reach a package index, and with private indexes (``pip_args``).
+A reward's Debian packages (``system_packages``) are downloaded on the host the same way, by the host's apt-get for
+the base image's release and architecture (:mod:`.debs`), and installed in the image without a network.
 A second build with nothing changed finds the tag and never calls the engine's build.
 
 The image gets the sandbox side of rewardbox only: ``rewardbox.sandbox`` and ``rewardbox.wire``, copied from
@@ -37,6 +39,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .base_image import BaseImageResolver
+from .debs import BUILD, HOST, SystemPackagesFrom, prepare_debs
 from .errors import ConfigError, ImageBuildError, ImagePushError
 from .spec import RewardSpec, is_local_package
 from .wire import VERSION
@@ -211,14 +214,23 @@ def _service_recipe() -> _Recipe:
     return _Recipe(SERVICE_REPO, service_dockerfile(), service_files(), None, service_requirements())
 
 
+def image_key(reward: RewardSpec) -> tuple:
+    """What a reward's sandbox image is keyed by: (sorted pip packages, sorted system packages)."""
+    return tuple(sorted(reward.packages)), tuple(sorted(reward.system_packages))
+
+
 def content_hash(base_id: str, target: ImageTarget, requirements: Sequence[str], pip_args: Sequence[str],
-                 recipe: Optional[_Recipe] = None) -> str:
-    """sha256 over the base image id, its target, the requirements, pip arguments, Dockerfile and code of an image
-    (by default a sandbox image)."""
+                 recipe: Optional[_Recipe] = None, system_packages: Sequence[str] = (),
+                 system_packages_from: SystemPackagesFrom = HOST) -> str:
+    """sha256 over the base image id, its target, the requirements, pip arguments, system packages and where they
+    come from, Dockerfile and code of an image (by default a sandbox image)."""
     recipe = recipe or _sandbox_recipe()
     h = hashlib.sha256()
-    h.update(json.dumps({"base": base_id, "target": asdict(target), "requirements": sorted(requirements),
-                         "pip_args": list(pip_args)}, sort_keys=True).encode())
+    what = {"base": base_id, "target": asdict(target), "requirements": sorted(requirements),
+            "pip_args": list(pip_args)}
+    if system_packages:  # absent otherwise: an image without them keeps its tag
+        what.update(system_packages=sorted(system_packages), system_packages_from=system_packages_from)
+    h.update(json.dumps(what, sort_keys=True).encode())
     if recipe.init is not None:
         h.update(recipe.init.encode())
     h.update(recipe.dockerfile.read_bytes())
@@ -282,44 +294,52 @@ class ImageBuilder:
         return ImageTarget(python=t["python"], machine=t["machine"], libc=tuple(t["libc"]))
 
     # -- sandbox image ------------------------------------------------------------------------------------------
-    def tag_for(self, base_image: str, packages: Sequence[str], pip_args: Sequence[str] = ()) -> str:
-        return self._identity(self.base_images.resolve(base_image), packages, pip_args)[0]
+    def tag_for(self, base_image: str, packages: Sequence[str], pip_args: Sequence[str] = (), *,
+                system_packages: Sequence[str] = (), system_packages_from: SystemPackagesFrom = HOST) -> str:
+        """The tag of the sandbox image with these packages on ``base_image`` (may be ``auto``), without building
+        it."""
+        return self._identity(self.base_images.resolve(base_image), packages, pip_args,
+                              system_packages=system_packages, system_packages_from=system_packages_from)[0]
 
     def _identity(self, base_image: str, packages: Sequence[str], pip_args: Sequence[str],
-                  recipe: Optional[_Recipe] = None) -> tuple:
+                  recipe: Optional[_Recipe] = None, system_packages: Sequence[str] = (),
+                  system_packages_from: SystemPackagesFrom = HOST) -> tuple:
         """(tag, target) for a concrete base image: it is looked up once for both."""
         recipe = recipe or _sandbox_recipe()
         base_id = self.base_image_id(base_image)
         target = self.target(base_image, base_id)
-        digest = content_hash(base_id, target, [*recipe.requirements, *_content_keys(packages)], pip_args, recipe)
+        digest = content_hash(base_id, target, [*recipe.requirements, *_content_keys(packages)], pip_args, recipe,
+                              system_packages, system_packages_from)
         return f"{recipe.repo}:{digest[:20]}", target
 
     def ensure_images(self, rewards: Sequence[RewardSpec], settings: "DockerSettings",
                       force: bool = False) -> dict[tuple, tuple[str, list[str]]]:
-        """One image per distinct package set of the rewards: {sorted packages: (tag, names of the rewards)}.
+        """One image per distinct package set of the rewards: {:func:`image_key`: (tag, names of the rewards)}.
 
         Raises:
             ImageBuildError: naming the package and the rewards that need it.
         """
         owners: dict[tuple, list[str]] = {}
         for r in rewards:
-            owners.setdefault(tuple(sorted(r.packages)), []).append(r.name)
+            owners.setdefault(image_key(r), []).append(r.name)
         base_image = self.base_images.resolve(settings.base_image)
         return {
-            packages: (self.ensure(base_image, packages, settings.pip_args, names, force=force), names)
-            for packages, names in owners.items()
+            key: (self.ensure(base_image, key[0], settings.pip_args, names, force=force, system_packages=key[1],
+                              system_packages_from=settings.system_packages_from), names)
+            for key, names in owners.items()
         }
 
     def ensure(self, base_image: str, packages: Sequence[str], pip_args: Sequence[str] = (),
-               owners: Sequence[str] = (), force: bool = False) -> str:
-        """Returns the tag of an image with these packages, building it only when no such image exists.
-        ``base_image`` may be ``auto``.
+               owners: Sequence[str] = (), force: bool = False, *, system_packages: Sequence[str] = (),
+               system_packages_from: SystemPackagesFrom = HOST) -> str:
+        """Returns the tag of an image with these pip and Debian packages, building it only when no such image
+        exists. ``base_image`` may be ``auto``.
 
         Raises:
             ImageBuildError: a package cannot be resolved for the image (named, with the rewards that need it).
         """
         return self._ensure(_sandbox_recipe(), self.base_images.resolve(base_image), packages, pip_args, owners,
-                            force)
+                            force, system_packages, system_packages_from)
 
     # -- service image ------------------------------------------------------------------------------------------
     def service_tag_for(self, base_image: str, pip_args: Sequence[str] = ()) -> str:
@@ -337,8 +357,9 @@ class ImageBuilder:
                             (), force)
 
     def _ensure(self, recipe: _Recipe, base_image: str, packages: Sequence[str], pip_args: Sequence[str],
-                owners: Sequence[str], force: bool) -> str:
-        tag, target = self._identity(base_image, packages, pip_args, recipe)
+                owners: Sequence[str], force: bool, system_packages: Sequence[str] = (),
+                system_packages_from: SystemPackagesFrom = HOST) -> str:
+        tag, target = self._identity(base_image, packages, pip_args, recipe, system_packages, system_packages_from)
         if not force:
             try:
                 self.client.images.get(tag)
@@ -348,6 +369,8 @@ class ImageBuilder:
         with tempfile.TemporaryDirectory(prefix="rbx-build-") as ctx:
             context = Path(ctx)
             self._wheelhouse(target, list(packages), list(pip_args), context / "wheels", owners, recipe.requirements)
+            prepare_debs(self.client, base_image, self.base_image_id(base_image), system_packages,
+                         system_packages_from, self.cache_dir, context / "debs", owners, self.on_output)
             package = context / "server" / "rewardbox"
             package.mkdir(parents=True)
             if recipe.init is not None:
@@ -356,7 +379,8 @@ class ImageBuilder:
                 (package / relative).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy(path, package / relative)
             shutil.copy(recipe.dockerfile, context / "Dockerfile")
-            self._build(context, tag, base_image)
+            # Only a build that installs system packages from a mirror itself gets a network.
+            self._build(context, tag, base_image, network=bool(system_packages) and system_packages_from == BUILD)
         return tag
 
     # -- registry -----------------------------------------------------------------------------------------------
@@ -452,11 +476,12 @@ class ImageBuilder:
                                   f"pyproject.toml or setup.py. pip said:\n{tail}")
         return new[0]
 
-    def _build(self, context: Path, tag: str, base_image: str) -> None:
+    def _build(self, context: Path, tag: str, base_image: str, network: bool = False) -> None:
         self.engine_builds += 1
-        self.on_output(f"building {tag} from {base_image}")
+        self.on_output(f"building {tag} from {base_image}" + (" (with the engine's default network)" if network
+                                                              else ""))
         stream = self.client.api.build(path=str(context), tag=tag, buildargs={"BASE": base_image}, rm=True,
-                                       forcerm=True, decode=True, network_mode="none",
+                                       forcerm=True, decode=True, network_mode=None if network else "none",
                                        labels={"rewardbox": "1"})
         # A progress bar on a terminal; every line also goes to on_output (the log), terminal or not.
         with Progress(TextColumn(f"[bold]{tag}"), BarColumn(), MofNCompleteColumn(),

@@ -34,7 +34,7 @@ import yaml
 from .backends.containers import SOCKET_DIR_IN_CONTAINER, SOCKET_NAME, ContainerSpec, is_gvisor
 from .backends.docker import NOBODY, slot_plan
 from .errors import ConfigError
-from .image import registry_reference
+from .image import image_key, registry_reference
 from .service import DRAIN_GRACE_S, TOKEN_ENV
 from .spec import RewardboxConfig, RewardSpec, SandboxSettings
 
@@ -66,8 +66,8 @@ _CONFIGMAP_MAX_BYTES = 1000 * 1000  # the API server's limit is 1 MiB for the wh
 
 @dataclass(frozen=True)
 class Images:
-    """The images of a deployment: the sandbox image of each package set (sorted packages -> image) and the service
-    image (the gateway)."""
+    """The images of a deployment: the sandbox image of each package set (:func:`~rewardbox.image.image_key` ->
+    image) and the service image (the gateway)."""
 
     sandbox: Mapping[tuple, str]
     service: str
@@ -236,9 +236,10 @@ def _reward_manifests(config: RewardboxConfig, index: int, reward: RewardSpec, i
             meta["namespace"] = options.namespace
         return {**meta, "labels": dict(labels), **extra}
 
-    image = images.sandbox.get(tuple(sorted(reward.packages)))
+    image = images.sandbox.get(image_key(reward))
     if image is None:
-        raise ConfigError(f"reward {reward.name!r}: no sandbox image was given for its packages {reward.packages}")
+        raise ConfigError(f"reward {reward.name!r}: no sandbox image was given for its packages {reward.packages} "
+                          f"and system packages {reward.system_packages}")
     settings = config.sandbox.backend_settings("docker")
     runtime = settings.runtime
     plan = slot_plan(reward, runtime)
@@ -262,9 +263,10 @@ def _reward_manifests(config: RewardboxConfig, index: int, reward: RewardSpec, i
     mounts = [{"name": "socket", "mountPath": SOCKET_DIR_IN_CONTAINER}, {"name": "scratch", "mountPath": SCRATCH}]
     volumes = [
         {"name": "socket", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
-        # Each slot's scratch directory; like the docker backend's tmpfs per slot, it counts against memory.
+        # Each slot's scratch directory and its programs' (rewardbox.sandbox.run); like the docker backend's tmpfs
+        # per slot, they count against memory.
         {"name": "scratch", "emptyDir": {"medium": "Memory",
-                                         "sizeLimit": _binary_quantity(tmpfs_bytes * plan.slots)}},
+                                         "sizeLimit": _binary_quantity(tmpfs_bytes * 2 * plan.slots)}},
     ]
     if reward.isolation == "sample":
         # No shared memory between samples: the pod's /dev/shm (world-writable, shared by its containers) is
@@ -500,9 +502,10 @@ def image_tags(config: RewardboxConfig) -> Images:
         builder = ImageBuilder(client, settings.cache_dir)
         sandbox = {}
         for reward in config.rewards:
-            packages = tuple(sorted(reward.packages))
-            if packages not in sandbox:
-                sandbox[packages] = builder.tag_for(settings.base_image, packages, settings.pip_args)
+            key = image_key(reward)
+            if key not in sandbox:
+                sandbox[key] = builder.tag_for(settings.base_image, key[0], settings.pip_args, system_packages=key[1],
+                                               system_packages_from=settings.system_packages_from)
         return Images(sandbox, builder.service_tag_for(settings.base_image, settings.pip_args))
     finally:
         client.close()

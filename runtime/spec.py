@@ -19,6 +19,7 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     ValidationError,
+    ValidationInfo,
     create_model,
     field_validator,
     model_validator,
@@ -29,11 +30,18 @@ from .errors import ConfigError
 from .wire import DEFAULT_CONCURRENCY, DEFAULT_MAX_LOG_BYTES, DEFAULT_WORKERS
 
 _NAME = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
+# A Debian package name (policy 5.6.1), optionally pinned to a version (5.6.12) as `apt-get install` takes it.
+_DEB = re.compile(r"^[a-z0-9][a-z0-9+.-]+(=[A-Za-z0-9.+:~-]+)?$")
 
 
 def is_local_package(package: str) -> bool:
     """A `packages` entry that is a folder (or wheel file) on the host rather than a requirement string."""
     return package.startswith((".", "/", "~"))
+
+
+def is_debian_package(entry: str) -> bool:
+    """A `system_packages` entry: a Debian package name, optionally ``=VERSION``."""
+    return bool(_DEB.match(entry))
 
 
 class _Yaml12BoolLoader(yaml.SafeLoader):
@@ -108,6 +116,8 @@ class RewardSpec(_Strict):
         default="sample", description="sample: a fresh process per sample (per call, batch style); worker: reused "
         "processes that keep state across samples (trusted code only)")
     packages: list[str] = Field(default_factory=list, description="pip requirement strings, or local folders/wheels")
+    system_packages: list[str] = Field(default_factory=list, description="Debian packages installed in this "
+                                       "reward's image, e.g. [g++, nodejs]")
     timeout_s: PositiveFloat = Field(default=5.0, description="per sample (sample style) or per call (batch)")
     retries: int = Field(default=3, ge=0, description="retries of transient sandbox failures")
     default_score: Optional[float] = Field(default=0.0, description="fallback score; null gives None")
@@ -140,6 +150,17 @@ class RewardSpec(_Strict):
                 Requirement(p)
             except InvalidRequirement as e:
                 raise ValueError(f"package {p!r} is not a valid pip requirement: {e}") from None
+        return packages
+
+    @field_validator("system_packages")
+    @classmethod
+    def _debian_names(cls, packages: list[str], info: ValidationInfo) -> list[str]:
+        for j, p in enumerate(packages):
+            if not is_debian_package(p):
+                who = f"reward {info.data['name']!r}: " if "name" in info.data else ""
+                raise ValueError(f"{who}system_packages[{j}] {p!r} is not a Debian package name: lower-case letters, "
+                                 "digits and + - . (at least two), optionally =VERSION, e.g. g++, nodejs or "
+                                 "jq=1.6-2.1+deb12u2")
         return packages
 
     @property

@@ -15,7 +15,7 @@ import socket
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Literal, Optional, Sequence
 
 import docker
 import docker.errors
@@ -23,7 +23,7 @@ import docker.utils
 from pydantic import Field
 
 from ..errors import BackendError, ConfigError
-from ..image import IMAGE_REPO, ImageBuilder
+from ..image import IMAGE_REPO, ImageBuilder, image_key
 from ..spec import RewardSpec
 from ..wire import DEFAULT_WARM, GVISOR_WARM, SLOT_UID_BASE, sandbox_slots
 from .base import BackendSettings, reward_environment
@@ -35,6 +35,7 @@ log = logging.getLogger("rewardbox")
 NOBODY = 65534
 # Processes of a sandbox itself (init, server, supervisor, templates) beside its slot processes.
 OWN_PROCESSES = 16
+UID_BLOCK = 4096  # uids a container draws: its slot uids and their run uids
 MIN_SLOT_PROCESSES = 16
 # gVisor has no OOM killer of its own: the host's kills its kernel, that is the whole sandbox, when its processes
 # together pass the memory limit (each costs about 12 MiB there, measured). So each sample process gets an address
@@ -96,6 +97,9 @@ class DockerSettings(BackendSettings):
     pip_args: list[str] = Field(default_factory=list, description="extra pip download args (--index-url ...)")
     cache_dir: Optional[Path] = Field(default=None, description="wheelhouse and build cache; default ~/.cache")
     tmpfs_size: str = Field(default="64m", description="size of each container's /tmp")
+    system_packages_from: Literal["host", "build"] = Field(
+        default="host", description="host: the host's apt-get downloads rewards' system_packages for the base image "
+        "(the image build needs no network); build: the image build runs apt-get with the engine's default network")
 
 
 def engine_client(timeout: int = 120) -> docker.DockerClient:
@@ -163,13 +167,14 @@ class DockerBackend:
         self.images = {packages: tag for packages, (tag, _) in built.items()}
 
     def create(self, reward: RewardSpec, replica: int) -> DockerSandbox:
-        image = self.images.get(tuple(sorted(reward.packages)))
+        image = self.images.get(image_key(reward))
         if image is None:
             raise BackendError(f"reward {reward.name!r}: no image was prepared for its packages")
         uid = os.getuid()
         plan = slot_plan(reward, self.settings.runtime)
-        # RLIMIT_NPROC counts a uid's processes across the host: each container draws uids of its own.
-        first = SLOT_UID_BASE + 1024 * self._uid_blocks.randrange(1, 1 << 20)
+        # RLIMIT_NPROC counts a uid's processes across the host: each container draws uids of its own (slot uids,
+        # then as many run uids: at most 2 * 2 * 512 of a block).
+        first = SLOT_UID_BASE + UID_BLOCK * self._uid_blocks.randrange(1, 1 << 18)
         spec = ContainerSpec(
             image=image,
             name=f"rewardbox-{self.run_id}-{reward.name}-{replica}",

@@ -76,7 +76,7 @@ def test_a_push_to_a_registry_that_does_not_answer_fails_naming_the_registry_and
 
 def test_the_pods_socket_dir_step_closes_the_socket_directory_to_samples(write_config, docker_client, base_image):
     config = load_config(write_config([{"name": "r", "code": REWARD}], {"backend": "docker"}))
-    [init] = next(d for d in manifests(config, Images({(): base_image}, "unused"))
+    [init] = next(d for d in manifests(config, Images({((), ()): base_image}, "unused"))
                   if d["kind"] == "Deployment")["spec"]["template"]["spec"]["initContainers"]
 
     def fresh_volume():

@@ -18,7 +18,9 @@ from rewardbox.kubernetes import Images, manifests, render, resource_name, to_ya
 from rewardbox.spec import sandbox_settings_model, yaml_load
 
 KUBERNETES_VERSIONS = ("1.37.0", "1.30.0")
-IMAGES = Images({("emoji",): "reg.example:5000/rewardbox-sandbox:aaa", (): "reg.example:5000/rewardbox-sandbox:bbb"},
+# Sandbox images by (pip packages, system packages).
+IMAGES = Images({(("emoji",), ()): "reg.example:5000/rewardbox-sandbox:aaa",
+                 ((), ()): "reg.example:5000/rewardbox-sandbox:bbb"},
                 "reg.example:5000/rewardbox-service:ccc")
 JUDGE = """
 import os
@@ -111,12 +113,13 @@ def test_the_sandbox_server_gets_the_docker_backends_slots_and_limits_with_pod_u
     assert arg(args, "--listen") == "unix:///run/rewardbox/grpc.sock"
     assert arg(args, "--server-uid") == "65534"
     assert arg(args, "--slot-uids") == f"20000-{20000 + plan.slots - 1}"
+    assert arg(args, "--run-uids") == f"{20000 + plan.slots}-{20000 + 2 * plan.slots - 1}"
     assert arg(args, "--slot-root") == "/scratch"
     assert "--atomic-kill" in args  # runc: a Linux kernel
     # the same numbers as a docker-backend container of this reward (made, not started: no engine is asked)
     monkeypatch.setenv("OPENAI_API_KEY", "k")
     backend = DockerBackend(DockerSettings(), client=object(), builder=object())
-    backend.images = {("emoji",): "img"}
+    backend.images = {(("emoji",), ()): "img"}
     sandbox = backend.create(judge, 0)
     try:
         spec = sandbox.spec
@@ -127,7 +130,8 @@ def test_the_sandbox_server_gets_the_docker_backends_slots_and_limits_with_pod_u
     finally:
         sandbox.stop()
     scratch = {v["name"]: v for v in pod(docs, "judge_llm")["volumes"]}["scratch"]
-    assert scratch["emptyDir"] == {"medium": "Memory", "sizeLimit": "4Gi"}  # tmpfs_size 64m x 64 slots
+    # tmpfs_size 64m x 64 slots, and as many directories for their programs
+    assert scratch["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
 
 
 def test_resources_env_and_secrets_come_from_the_reward(two_rewards):
@@ -264,9 +268,9 @@ def test_names_that_kubernetes_cannot_tell_apart_are_an_error_naming_both(write_
                                         "file": "other.py", "function": "my_reward"}]))
     with pytest.raises(ConfigError, match="'my_reward' and 'my-reward' both become the Kubernetes name "
                                           "rewardbox-my-reward"):
-        manifests(config, Images({(): "x"}, "y"))
+        manifests(config, Images({((), ()): "x"}, "y"))
     with pytest.raises(ConfigError, match="--trainer-label"):
-        manifests(config, Images({(): "x"}, "y"), trainer_label="no-equals-sign")
+        manifests(config, Images({((), ()): "x"}, "y"), trainer_label="no-equals-sign")
 
 
 def local_tags(config) -> Images:
