@@ -398,6 +398,7 @@ class Monitor:
                 resource.setrlimit(kind, value)
             if limits.nproc is not None:
                 resource.setrlimit(resource.RLIMIT_NPROC, (limits.nproc, limits.nproc))
+            os.umask(0o077)
             if uid is not None:
                 os.setresuid(uid, uid, uid)  # no capability is left after this
             seccomp.install(network=False)

@@ -288,6 +288,10 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
     else:
         os.makedirs(slot.directory, mode=0o700, exist_ok=True)
         empty(slot.directory)
+    if slot.uid is not None:
+        # Files the reward makes are its own alone: its directory is 0700, and the files themselves too, as gVisor
+        # lets other uids follow /proc/<pid>/fd links past the directory (a program the reward runs among them).
+        os.umask(0o077)
     if slot.nproc is not None:
         resource.setrlimit(resource.RLIMIT_NPROC, (slot.nproc, slot.nproc))
     if slot.memory is not None:

@@ -107,7 +107,9 @@ class ContainerSpec:
         first, count = self.slot_uids or (0, 0)
         if self.slot_root:
             return {self.slot_root: f"rw,nosuid,nodev,size={self.tmpfs_size},mode=0777"}
-        return {f"{SLOT_DIR_PREFIX}{uid}": f"rw,nosuid,nodev,size={self.tmpfs_size},mode=0700,uid={uid},gid={uid}"
+        # Docker mounts a tmpfs noexec unless told otherwise: the programs' directories hold compiled programs.
+        return {f"{SLOT_DIR_PREFIX}{uid}": f"rw,nosuid,nodev,{'exec,' if uid >= first + count else ''}"
+                                           f"size={self.tmpfs_size},mode=0700,uid={uid},gid={uid}"
                 for uid in range(first, first + 2 * count)}
 
     def run_kwargs(self, socket_mount: dict) -> dict:
