@@ -106,7 +106,7 @@ class ContainerSpec:
     def slot_tmpfs(self) -> dict:
         first, count = self.slot_uids or (0, 0)
         if self.slot_root:
-            return {self.slot_root: f"rw,nosuid,nodev,size={self.tmpfs_size},mode=0777"}
+            return {self.slot_root: f"rw,nosuid,nodev,exec,size={self.tmpfs_size},mode=0777"}  # as an emptyDir
         # Docker mounts a tmpfs noexec unless told otherwise: the programs' directories hold compiled programs.
         return {f"{SLOT_DIR_PREFIX}{uid}": f"rw,nosuid,nodev,{'exec,' if uid >= first + count else ''}"
                                            f"size={self.tmpfs_size},mode=0700,uid={uid},gid={uid}"

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.docker
 
 PROBE = """
 import os, stat
+from rewardbox.sandbox import run
 
 def probe(prompt, completion, example):
     here = os.getcwd()
@@ -32,10 +33,13 @@ def probe(prompt, completion, example):
     except OSError:
         planted = False
     others = [d for d in os.listdir("/scratch") if d != os.path.basename(here)] if parent.st_mode & 0o004 else []
+    # a program it runs: under the slot's run uid, in that uid's own directory under /scratch
+    program = run("import os\\nprint(os.getuid(), os.getcwd(), sorted(os.listdir('.')))").stdout.split(" ", 2)
     ok = (here == f"/scratch/slot-{os.getuid()}" and info.st_uid == os.getuid() and stat.S_IMODE(info.st_mode) == 0o700
           and stat.S_IMODE(parent.st_mode) == 0o711 and parent.st_uid == 0 and not found and not planted
-          and not others)
-    print(here, oct(info.st_mode), oct(parent.st_mode), found, planted)
+          and not others and program[0] != str(os.getuid()) and program[1] == f"/scratch/slot-{program[0]}"
+          and program[2] == "['main.py']\\n")
+    print(here, oct(info.st_mode), oct(parent.st_mode), found, planted, program)
     return 1.0 if ok else 0.0
 """
 
