@@ -154,23 +154,25 @@ def test_container_settings_are_hardened(docker_sandboxes):
     assert host["Sysctls"] == {"kernel.shmmni": "0", "kernel.msgmni": "0", "kernel.sem": "0 0 0 0",
                                "fs.mqueue.queues_max": "0"}
     slot_mounts = host["Tmpfs"]
-    assert len(slot_mounts) == 8  # two versions x 4 warm processes
+    assert len(slot_mounts) == 16  # two versions x 4 warm processes, each with a run uid for its programs
     assert all("nosuid" in o and "nodev" in o and "mode=0700" in o and f"uid={p.rsplit('-', 1)[1]}" in o
                for p, o in slot_mounts.items())
+    # only the programs' directories may hold executables (compiled programs)
+    assert sorted("exec" in o.split(",") for o in slot_mounts.values()) == [False] * 8 + [True] * 8
     # the only other mount is the socket's: a volume, not a host directory
     [socket_mount] = [m for m in container.attrs["Mounts"] if m["Destination"] == "/run/rewardbox"]
     assert socket_mount["Type"] == "volume"
     assert len(container.attrs["Mounts"]) == 1  # nothing else: /tmp is the read-only root's
-    # who runs as whom: init, the supervisor and the template as root (3 capabilities); the server as nobody;
-    # the reward code as slot uids
+    # who runs as whom: init, the supervisor, the template and its program runner as root (3 capabilities); the
+    # server as nobody; the reward code as slot uids
     # (a freshly forked slot process is root for the moment before it drops to its uid: wait until all settled)
     deadline = time.monotonic() + 10
     while True:
         uids = [int(p[1]) for p in container.top(ps_args="-eo pid,uid,args")["Processes"]]
-        if uids.count(0) == 3 or time.monotonic() > deadline:
+        if uids.count(0) == 4 or time.monotonic() > deadline:
             break
         time.sleep(0.1)
-    assert uids.count(0) == 3 and uids.count(65534) == 1
+    assert uids.count(0) == 4 and uids.count(65534) == 1
     slot_uids = [u for u in uids if u not in (0, 65534)]
     assert slot_uids and all(f"/tmp/slot-{u}" in slot_mounts for u in slot_uids)  # warm slot processes
     reward_uid = int(score(s, "uid", ["x"]).values[0])
