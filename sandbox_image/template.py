@@ -79,6 +79,11 @@ class Template:
 
     def run(self) -> None:
         self._start_runner()
+        from . import execution  # here: execution imports the slot module, which imports this one's dependencies
+
+        # The template runs as root (docker backend): nothing may start programs from it. Slot processes attach.
+        execution.attach(None, "rewardbox.sandbox.run cannot run while the reward module is imported (nor outside a "
+                               "reward call): call it from the reward function")
         try:
             self.loaded = worker.load(self.config)
         except worker.LoadError as e:

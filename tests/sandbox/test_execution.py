@@ -153,3 +153,11 @@ def test_a_reward_runs_programs_through_the_local_sandbox_server(sandboxes):
     report = run_async(s["judge"].client.score(build_samples(
         ["p"] * 3, ["print(int(input()) * 2)", "print(4)", "while True: pass"], {})))
     assert report.values == [1.0, 0.5, 0.0], report.errors
+
+
+def test_a_reward_module_cannot_run_programs_while_it_is_imported(sandboxes):
+    from rewardbox import RewardLoadError
+
+    with pytest.raises(RewardLoadError, match="cannot run while the reward module is imported"):
+        sandboxes([{"name": "eager", "code": "from rewardbox.sandbox import run\nrun('print(1)')\n"
+                                             "def eager(prompt, completion, example):\n    return 1.0\n"}])
