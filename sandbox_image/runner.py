@@ -15,8 +15,10 @@ For each program, the monitor:
    CPU time, writable memory (``RLIMIT_DATA``) and address space, processes, file size and open files, a seccomp
    filter without network (:mod:`.seccomp`), the scratch directory as cwd, HOME and TMPDIR, and a clean
    environment (none of the reward's, secrets included);
-4. feeds stdin, reads stdout and stderr up to a limit, and kills the whole tree (every process of the run uid) when
-   the program exits, overruns its wall time or its output limit, or the slot process goes away;
+4. feeds stdin, reads stdout and stderr up to a limit, watches the memory of all the run uid's processes together
+   (the rlimits hold per process: a program's forks could otherwise add up to many times its ``memory_mb`` and get
+   a concurrent sample's program OOM-killed), and kills the whole tree (every process of the run uid) when the
+   program exits, overruns its wall time, its memory or its output limit, or the slot process goes away;
 5. empties the directory again.
 
 The reward's own process runs under another uid: a program can neither signal, trace or read it, nor read or
@@ -55,6 +57,7 @@ COMPILE_OUTPUT = 64 * 1024
 COMPILE_PROCESSES = 64
 OPEN_FILES = 256
 CLOSED = 3  # a monitor's exit code when its socket closed
+MEMORY_POLL_S = 0.02  # how often the memory of a program's processes is added up
 _PR_SET_CHILD_SUBREAPER = 36
 _MIB = 1 << 20
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
@@ -451,6 +454,7 @@ class Monitor:
         if self.sock is not None:
             selector.register(self.sock, selectors.EVENT_READ)
         deadline = start + limits.timeout_s
+        next_poll = start + MEMORY_POLL_S if self.slot.uid is not None else math.inf
         killed_for, status_word, usage = None, None, None
         try:
             while status_word is None:
@@ -458,7 +462,12 @@ class Monitor:
                 if now >= deadline:
                     killed_for = "timeout"
                     break
-                for key, _ in selector.select(timeout=deadline - now):
+                if now >= next_poll:
+                    if self._tree_memory() > limits.memory_mb * _MIB:
+                        killed_for = "memory"
+                        break
+                    next_poll = now + MEMORY_POLL_S
+                for key, _ in selector.select(timeout=min(deadline, next_poll) - now):
                     fd = key.fileobj
                     if fd is self.sock:
                         if not self.sock.recv(1, socket.MSG_PEEK):
@@ -533,6 +542,31 @@ class Monitor:
             if len(chunk) > room:
                 return True
 
+    def _tree_memory(self) -> int:
+        """Bytes of memory the run uid's processes hold together: their anonymous and shared-memory resident pages
+        (pages shared after a fork count once per process), else their resident set where the kernel does not
+        tell those apart (gVisor)."""
+        wanted = str(self.slot.uid).encode()
+        total = 0
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                fd = os.open(f"/proc/{entry}/status", os.O_RDONLY)
+                try:
+                    status = os.read(fd, 8192)
+                finally:
+                    os.close(fd)
+            except OSError:
+                continue
+            at = status.find(b"\nUid:\t")
+            if at < 0 or status[at + 6:].split(b"\t", 1)[0] != wanted:
+                continue
+            fields = dict(line.split(b":", 1) for line in status.split(b"\n") if b":" in line)
+            keys = (b"RssAnon", b"RssShmem") if b"RssAnon" in fields else (b"VmRSS",)
+            total += sum(int(fields[k].split()[0]) for k in keys if k in fields) * 1024
+        return total
+
     @staticmethod
     def _reap() -> None:
         """Collects every exited descendant (this process is their subreaper)."""
@@ -571,6 +605,9 @@ class Monitor:
             stderr = (stderr + f"\n[rewardbox] the program could not start: {raw['failure']}").lstrip("\n")
         elif killed_for == "output":
             status = "output_limit"
+        elif killed_for == "memory":
+            status = "memory"
+            stderr += f"\n[rewardbox] its processes together held more than {limits.memory_mb} MiB"
         elif killed_for == "timeout":
             status = "timeout"
         elif exit_code == 0:

@@ -6,8 +6,9 @@ sysctls that switch them off under runc), ptrace and process_vm_* (tracing, and 
 kernel keyrings and userfaultfd. A system call of another architecture or ABI (x32) kills the process. Standard
 library only (ctypes for prctl).
 
-Programs that reward code runs (:mod:`.execution`) get a stricter filter on top: no sockets but Unix ones and no
-io_uring (which can open sockets too), so they have no network even inside a reward that has one.
+Programs that reward code runs (:mod:`.execution`) get a stricter filter on top: no ``socket()`` at all (socket
+pairs stay) and no io_uring (which can open sockets too), so they have no network even inside a reward that has
+one, and no named or abstract Unix sockets to meet concurrent programs of other samples on.
 """
 
 from __future__ import annotations
@@ -34,8 +35,7 @@ _DENIED = ("shmget", "shmat", "shmctl", "shmdt", "semget", "semop", "semtimedop"
            "msgrcv", "msgctl", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify",
            "mq_getsetattr", "ptrace", "process_vm_readv", "process_vm_writev", "add_key", "request_key", "keyctl",
            "userfaultfd")
-_NO_NETWORK = ("io_uring_setup", "io_uring_enter", "io_uring_register")
-_AF_UNIX = 1
+_NO_NETWORK = ("socket", "io_uring_setup", "io_uring_enter", "io_uring_register")
 _TABLES = {
     "x86_64": (0xC000003E, 0x40000000, {"socket": 41, "io_uring_setup": 425, "io_uring_enter": 426,
                                         "io_uring_register": 427,
@@ -59,8 +59,8 @@ def _instruction(code: int, jt: int, jf: int, k: int) -> bytes:
 
 
 def program(machine: str, network: bool = True) -> bytes:
-    """The filter for ``machine`` as packed sock_filter instructions; without ``network``, socket() of any family
-    but AF_UNIX is refused too, and io_uring.
+    """The filter for ``machine`` as packed sock_filter instructions; without ``network``, socket() and io_uring
+    are refused too (socketpair() is not).
 
     Raises:
         KeyError: no table for this machine.
@@ -75,16 +75,9 @@ def program(machine: str, network: bool = True) -> bytes:
         body.append(_instruction(_JGE_K, 0, 1, x32_bit))
         body.append(_instruction(_RET_K, 0, 0, _RET_KILL_PROCESS))
     # Each denied number jumps to the EPERM return at the end: count the instructions left to skip.
-    tail = [] if network else [  # socket(domain, ...): only AF_UNIX (domain is the low word of args[0])
-        _instruction(_JEQ_K, 0, 3, numbers["socket"]),
-        _instruction(_LD_W_ABS, 0, 0, 16),
-        _instruction(_JEQ_K, 0, 2, _AF_UNIX),
-        _instruction(_RET_K, 0, 0, _RET_ALLOW),
-    ]
     for i, number in enumerate(denied):
-        skip = (len(denied) - 1 - i) + len(tail) + 1  # the remaining comparisons, the socket check, ALLOW
+        skip = (len(denied) - 1 - i) + 1  # the remaining comparisons, then the ALLOW return
         body.append(_instruction(_JEQ_K, skip, 0, number))
-    body.extend(tail)
     body.append(_instruction(_RET_K, 0, 0, _RET_ALLOW))
     body.append(_instruction(_RET_K, 0, 0, _RET_ERRNO | _EPERM))
     return b"".join(body)

@@ -132,6 +132,11 @@ BAD = {  # program -> the status code the reward returns for it
     "memory bomb": ({"code": "x = []\nwhile True:\n    x.append(bytearray(10 << 20))\n", "memory_mb": 256}, 4),
     "C++ memory bomb": ({"code": "#include <vector>\nint main(){ std::vector<std::vector<char>> v; "
                                  "for(;;) v.emplace_back(10 << 20, 1); }", "language": "cpp", "memory_mb": 256}, 4),
+    # many processes, each under its own limit, together far over it (they could get a concurrent program of another
+    # sample OOM-killed): the runner adds them up
+    "forked memory hogs": ({"code": "import os, time\nfor _ in range(20):\n    if os.fork() == 0:\n"
+                                    "        x = bytearray(60 << 20)\n        time.sleep(10)\ntime.sleep(10)\n",
+                            "memory_mb": 256, "timeout_s": 8}, 4),
     "non-zero exit": ({"code": "import sys\nsys.exit(3)\n"}, 2),
     "exception": ({"code": "raise ValueError('no')\n"}, 2),
     "segfault": ({"code": "int main(){ volatile int *p = 0; return *p; }", "language": "c"}, 2),
@@ -193,8 +198,9 @@ def test_what_a_program_leaves_is_gone_for_the_next_program(sandboxes):
 
 
 def test_a_program_has_no_network_even_in_a_reward_that_has(sandboxes):
+    # nor Unix sockets, named or abstract: concurrent programs of other samples could meet there
     connect = ("import socket\n"
-               "for family in (socket.AF_INET, socket.AF_INET6, socket.AF_PACKET, socket.AF_NETLINK):\n"
+               "for family in (socket.AF_INET, socket.AF_INET6, socket.AF_PACKET, socket.AF_NETLINK, socket.AF_UNIX):\n"
                "    try:\n"
                "        socket.socket(family, socket.SOCK_DGRAM)\n"
                "        print('opened', family)\n"
