@@ -272,18 +272,13 @@ class Monitor:
     # ---- the scratch directory
     def clean(self) -> None:
         """Kills every process of the run uid and empties its directory (and its files in /dev/shm)."""
+        self._kill_tree()
         if self.slot.uid is None:
-            if self.session:
-                try:
-                    os.killpg(self.session, signal.SIGKILL)
-                except OSError:
-                    pass
             os.makedirs(self.slot.directory, mode=0o700, exist_ok=True)
             slots.empty(self.slot.directory)
             return
-        self._as_run_uid(reaper=True)
+        self._as_run_uid()
         try:
-            slots.kill_uid(self.slot.uid, atomic=self.slot.atomic_kill)
             slots.empty(self.slot.directory)
             if os.path.isdir("/dev/shm"):  # only under isolation: worker (no /dev/shm otherwise)
                 for name in os.listdir("/dev/shm"):
@@ -297,11 +292,13 @@ class Monitor:
             self._as_root()
 
     def _kill_tree(self) -> None:
+        """Kills every process of the run uid (local backend: the last program's process group)."""
         if self.slot.uid is None:
-            try:
-                os.killpg(self.session, signal.SIGKILL)
-            except OSError:
-                pass
+            if self.session:
+                try:
+                    os.killpg(self.session, signal.SIGKILL)
+                except OSError:
+                    pass
             return
         self._as_run_uid(reaper=True)
         try:
@@ -518,7 +515,8 @@ class Monitor:
                 os.close(fd)
             if pending:  # stdin was not written to its end
                 os.close(in_w)
-            self._reap()
+            for _ in slots.exited_children():  # every descendant: this process is their subreaper
+                pass
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
         return {"status_word": status_word, "killed_for": killed_for, "wall_s": round(wall, 6),
@@ -546,37 +544,12 @@ class Monitor:
         """Bytes of memory the run uid's processes hold together: their anonymous and shared-memory resident pages
         (pages shared after a fork count once per process), else their resident set where the kernel does not
         tell those apart (gVisor)."""
-        wanted = str(self.slot.uid).encode()
         total = 0
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                fd = os.open(f"/proc/{entry}/status", os.O_RDONLY)
-                try:
-                    status = os.read(fd, 8192)
-                finally:
-                    os.close(fd)
-            except OSError:
-                continue
-            at = status.find(b"\nUid:\t")
-            if at < 0 or status[at + 6:].split(b"\t", 1)[0] != wanted:
-                continue
+        for _, status in slots.statuses_of(self.slot.uid):
             fields = dict(line.split(b":", 1) for line in status.split(b"\n") if b":" in line)
             keys = (b"RssAnon", b"RssShmem") if b"RssAnon" in fields else (b"VmRSS",)
             total += sum(int(fields[k].split()[0]) for k in keys if k in fields) * 1024
         return total
-
-    @staticmethod
-    def _reap() -> None:
-        """Collects every exited descendant (this process is their subreaper)."""
-        while True:
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
 
     def _env(self, language: languages.Language) -> dict:
         env = dict(BASE_ENV, HOME=self.slot.directory, TMPDIR=self.slot.directory, PWD=self.slot.directory)
@@ -787,13 +760,7 @@ class Runner:
         self.busy[pid] = index
 
     def _reap(self) -> None:
-        while True:
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
+        for pid, _ in slots.exited_children():
             index = self.busy.pop(pid, None)
             if index is not None and index in self.sockets:  # the slot's next process waited for this one
                 self.selector.register(self.sockets[index], selectors.EVENT_READ, index)

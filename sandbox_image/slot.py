@@ -32,7 +32,7 @@ import struct
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 from ..wire import Outcome, Status, trainer_state_from_dict
 from . import codec, seccomp, worker
@@ -77,11 +77,9 @@ def _close_inherited(*keep: int) -> None:
             pass
 
 
-def _pids_of(uid: int, running_only: bool = False) -> list[int]:
-    """Live (not zombie) processes whose real uid is ``uid`` (with ``running_only``: those that could fork now:
-    neither stopped, nor traced-stopped, nor waiting in the kernel). Reads each /proc/<pid>/status as bytes and
-    looks at two lines only: it runs before every sample."""
-    found = []
+def statuses_of(uid: int) -> Iterator[tuple[int, bytes]]:
+    """(pid, /proc/<pid>/status as bytes) of each process whose real uid is ``uid`` (zombies included). Reads the
+    files as bytes and finds the uid without parsing the rest: it runs before every sample."""
     wanted = str(uid).encode()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -95,12 +93,31 @@ def _pids_of(uid: int, running_only: bool = False) -> list[int]:
         except OSError:
             continue
         at = status.find(b"\nUid:\t")
-        if at < 0 or status[at + 6:].split(b"\t", 1)[0] != wanted:
-            continue
+        if at >= 0 and status[at + 6:].split(b"\t", 1)[0] == wanted:
+            yield int(entry), status
+
+
+def exited_children() -> Iterator[tuple[int, int]]:
+    """(pid, wait status) of each child that has exited, collected without waiting for the others."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        yield pid, status
+
+
+def _pids_of(uid: int, running_only: bool = False) -> list[int]:
+    """Live (not zombie) processes whose real uid is ``uid`` (with ``running_only``: those that could fork now:
+    neither stopped, nor traced-stopped, nor waiting in the kernel)."""
+    found = []
+    for pid, status in statuses_of(uid):
         at = status.find(b"\nState:\t")
         state = status[at + 8:at + 9] if at >= 0 else b"?"
         if state != b"Z" and not (running_only and state in b"TtD"):
-            found.append(int(entry))
+            found.append(pid)
     return found
 
 

@@ -26,7 +26,7 @@ from typing import Optional
 from . import template
 from .channel import ChannelClosed, pair, recv, send
 from .records import WorkerConfig
-from .slot import SlotSpec
+from .slot import SlotSpec, exited_children
 
 SLOT_DIR_PREFIX = "/tmp/slot-"  # docker backend: one tmpfs per slot uid, mode 0700, owned by that uid
 _PR_SET_PDEATHSIG = 1
@@ -127,13 +127,7 @@ class Supervisor:
                     return
 
     def _reap(self) -> None:
-        while True:
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
+        for pid, _ in exited_children():
             # Returned slots go last: a template started again takes fresh ones first.
             self.free = self.free + self.held.pop(pid, [])
 

@@ -195,13 +195,7 @@ class Template:
             s.last_failure = message[1:].decode("utf-8", "replace")
 
     def _reap(self) -> None:
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
+        for pid, status in slots.exited_children():
             s = next((s for s in self.slots if s.pid == pid), None)
             if s is not None:
                 self._ended(s, status)
