@@ -284,7 +284,7 @@ def remove_leftovers(client: docker.DockerClient, keep_run: Optional[str] = None
     Returns the containers' names."""
     removed = []
     host = socket.gethostname()
-    for c in client.containers.list(all=True, filters={"label": LABEL}):
+    for c in client.containers.list(all=True, filters={"label": LABEL}, ignore_removed=True):
         if _dead_run(c.labels, host, keep_run):
             with contextlib.suppress(docker.errors.NotFound):
                 c.remove(force=True)

@@ -121,7 +121,7 @@ def engine_client(timeout: int = 120) -> docker.DockerClient:
 
 def prune_images(client: docker.DockerClient) -> list[str]:
     """Removes sandbox images (``rewardbox-sandbox:*``) that no container uses. Returns their tags."""
-    in_use = {c.image.id for c in client.containers.list(all=True) if c.image is not None}
+    in_use = {c.image.id for c in client.containers.list(all=True, ignore_removed=True) if c.image is not None}
     removed = []
     for image in client.images.list(name=IMAGE_REPO):
         if image.id in in_use:

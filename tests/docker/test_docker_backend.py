@@ -146,7 +146,7 @@ def test_containers_are_removed_on_exit_and_on_errors(docker_sandboxes, docker_c
 
 
 def _containers_of(docker_client, pid: int) -> list:
-    return docker_client.containers.list(all=True, filters={"label": f"rewardbox.pid={pid}"})
+    return docker_client.containers.list(all=True, filters={"label": f"rewardbox.pid={pid}"}, ignore_removed=True)
 
 
 def test_ctrl_c_removes_every_container(write_config, docker_client, base_image, tmp_path):

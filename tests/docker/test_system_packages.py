@@ -94,7 +94,7 @@ def test_a_base_image_without_dpkg_is_named_as_not_debian_based(docker_client, b
                                                   r"system_packages: dpkg does not run in it.*Debian-based"):
             builder.ensure(no_dpkg, [], system_packages=["jq"], owners=["r"])
         assert builder.engine_builds == 0
-        leftovers = docker_client.containers.list(all=True, filters={"ancestor": no_dpkg})
+        leftovers = docker_client.containers.list(all=True, filters={"ancestor": no_dpkg}, ignore_removed=True)
         assert leftovers == []  # the probe container is removed
     finally:
         absent(docker_client, no_dpkg)

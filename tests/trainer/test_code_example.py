@@ -109,4 +109,5 @@ def test_training_the_code_example_scores_every_completion_in_sandboxes(tmp_path
         assert [r["step"] for r in steps] == [0, 1]
         assert all(r["samples"] == 8 and r["statuses"] == {"ok": 8} for r in steps), steps
     assert (out / "adapter_model.safetensors").exists()
-    assert docker_client.containers.list(all=True, filters={"label": f"rewardbox.pid={proc.pid}"}) == []
+    assert docker_client.containers.list(all=True, filters={"label": f"rewardbox.pid={proc.pid}"},
+                                         ignore_removed=True) == []

@@ -56,7 +56,7 @@ def test_two_ranks_train_against_one_shared_service(tmp_path, base_image):
                              dict(os.environ), timeout_s=300)
     try:
         engine = docker.from_env()
-        served = {c.id for c in engine.containers.list(filters={"label": "rewardbox"})}
+        served = {c.id for c in engine.containers.list(filters={"label": "rewardbox"}, ignore_removed=True)}
         began = int(time.time()) - 1
         train_two_ranks(tmp_path, config, tmp_path / "out", "--sandbox.backend", "remote",
                         "--sandbox.remote.endpoints", f"[{service.target}]")
@@ -64,7 +64,8 @@ def test_two_ranks_train_against_one_shared_service(tmp_path, base_image):
                                      filters={"type": "container", "event": "create"}))
         created = [e for e in created if e["id"] not in served]
         assert created == []  # the ranks started no sandbox of their own
-        assert len(served) == 3 and served <= {c.id for c in engine.containers.list(filters={"label": "rewardbox"})}
+        running = engine.containers.list(filters={"label": "rewardbox"}, ignore_removed=True)
+        assert len(served) == 3 and served <= {c.id for c in running}
     finally:
         service.kill(signal.SIGTERM)
     assert "stopped; all sandboxes were removed" in "".join(service.output)

@@ -111,7 +111,8 @@ def test_training_with_docker_sandboxes_end_to_end(tmp_path, docker_client, base
     assert (merged / "model.safetensors").exists() and (merged / "tokenizer.json").exists()
     assert not (merged / "adapter_config.json").exists()  # a plain model, the adapter folded in
     # and no container of this process is left
-    mine = docker_client.containers.list(all=True, filters={"label": f"rewardbox.pid={os.getpid()}"})
+    mine = docker_client.containers.list(all=True, filters={"label": f"rewardbox.pid={os.getpid()}"},
+                                         ignore_removed=True)
     assert mine == []
 
 
@@ -187,7 +188,7 @@ def test_command_line_overrides_in_trl_style(tmp_path):
 
 
 def _my_containers(docker_client, pid: int) -> list:
-    return docker_client.containers.list(all=True, filters={"label": f"rewardbox.pid={pid}"})
+    return docker_client.containers.list(all=True, filters={"label": f"rewardbox.pid={pid}"}, ignore_removed=True)
 
 
 def test_ctrl_c_during_training_removes_every_container(tmp_path, docker_client, base_image):
