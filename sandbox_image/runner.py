@@ -680,11 +680,9 @@ def _start_monitor(slot: RunSlot, sock: socket.socket, keep: tuple = ()) -> int:
     if pid == 0:
         code = 70
         try:
-            from .supervisor import die_with_parent
-
             # Not SIGKILL: a monitor that loses its runner (the template closed) still kills its program first.
             signal.signal(signal.SIGTERM, _runner_gone)
-            die_with_parent(signal.SIGTERM)
+            slots.die_with_parent(signal.SIGTERM)
             for fd in keep:
                 os.close(fd)
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
@@ -706,10 +704,7 @@ class Runner:
         self.selector = selectors.DefaultSelector()
 
     def run(self) -> None:
-        wake_r, wake_w = os.pipe()
-        os.set_blocking(wake_w, False)
-        signal.set_wakeup_fd(wake_w)
-        signal.signal(signal.SIGCHLD, lambda *_: None)
+        wake_r = slots.sigchld_wakeup()
         self.selector.register(wake_r, selectors.EVENT_READ, "wake")
         self.selector.register(self.control, selectors.EVENT_READ, "control")
         while True:
@@ -771,21 +766,14 @@ def start(slot_map: dict) -> tuple:
     from .channel import pair
 
     template_end, runner_end = pair()
-    pid = os.fork()
-    if pid == 0:
-        code = 0
-        try:
-            from .supervisor import die_with_parent
 
-            die_with_parent()
-            keep = runner_end.fileno()
-            os.closerange(3, keep)
-            os.closerange(keep + 1, 65536)
-            Runner(runner_end, slot_map).run()
-        except BaseException:  # noqa: BLE001 - the template sees the socket close; slots' run() calls fail clearly
-            code = 70
-        finally:
-            os._exit(code)
+    def serve() -> None:
+        keep = runner_end.fileno()
+        os.closerange(3, keep)
+        os.closerange(keep + 1, 65536)
+        Runner(runner_end, slot_map).run()  # if it raises, the template sees the socket close: run() calls fail
+
+    pid = slots.fork_child(serve)
     runner_end.close()
     return pid, template_end
 
@@ -795,9 +783,7 @@ def main(argv: Optional[list] = None) -> int:
     backend), in a temporary directory, as the caller's own user."""
     fd = int((argv if argv is not None else sys.argv[1:])[0])
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    from .supervisor import die_with_parent
-
-    die_with_parent()
+    slots.die_with_parent()
     with tempfile.TemporaryDirectory(prefix="rbx-run-") as directory:
         slot = RunSlot(uid=None, directory=os.path.join(directory, "scratch"))
         return Monitor(slot, socket.socket(fileno=fd)).loop()

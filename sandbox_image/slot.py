@@ -32,7 +32,7 @@ import struct
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from ..wire import Outcome, Status, trainer_state_from_dict
 from . import codec, seccomp, worker
@@ -95,6 +95,40 @@ def statuses_of(uid: int) -> Iterator[tuple[int, bytes]]:
         at = status.find(b"\nUid:\t")
         if at >= 0 and status[at + 6:].split(b"\t", 1)[0] == wanted:
             yield int(entry), status
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Asks the kernel to send ``sig`` (SIGKILL) to this process when its parent exits."""
+    # CDLL(None): the libc already loaded (find_library would run ldconfig in a subprocess).
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+
+
+def fork_child(main: Callable[[], None]) -> int:
+    """Forks a child that dies with this process, runs ``main`` and exits: 0 when it returns, 70 when it raises (the
+    parent learns of it from the socket it shares with the child closing). Returns the child's pid."""
+    pid = os.fork()
+    if pid == 0:
+        code = 70
+        try:
+            die_with_parent()
+            main()
+            code = 0
+        finally:
+            os._exit(code)
+    return pid
+
+
+def sigchld_wakeup() -> int:
+    """Makes SIGCHLD wake a selector loop. Returns the read end of a pipe that gets a byte per signal: read it, then
+    collect the children with :func:`exited_children`."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    return wake_r
 
 
 def exited_children() -> Iterator[tuple[int, int]]:
@@ -278,8 +312,6 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
     os.setsid()
     if slot.uid is None:
         # Local backend: nothing reaps by uid, so a slot process must not outlive its template.
-        from .supervisor import die_with_parent
-
         die_with_parent()
     for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGALRM, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_DFL)

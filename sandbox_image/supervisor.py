@@ -13,7 +13,6 @@ it exits. The supervisor dies with the server (PR_SET_PDEATHSIG) and templates d
 
 from __future__ import annotations
 
-import ctypes
 import os
 import selectors
 import signal
@@ -26,16 +25,9 @@ from typing import Optional
 from . import template
 from .channel import ChannelClosed, pair, recv, send
 from .records import WorkerConfig
-from .slot import SlotSpec, exited_children
+from .slot import SlotSpec, exited_children, fork_child, sigchld_wakeup
 
 SLOT_DIR_PREFIX = "/tmp/slot-"  # docker backend: one tmpfs per slot uid, mode 0700, owned by that uid
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """Asks the kernel to send ``sig`` (SIGKILL) to this process when its parent exits."""
-    # CDLL(None): the libc already loaded (find_library would run ldconfig in a subprocess).
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -111,10 +103,7 @@ class Supervisor:
         self.selector = selectors.DefaultSelector()
 
     def run(self) -> None:
-        wake_r, wake_w = os.pipe()
-        os.set_blocking(wake_w, False)
-        signal.set_wakeup_fd(wake_w)
-        signal.signal(signal.SIGCHLD, lambda *_: None)
+        wake_r = sigchld_wakeup()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         self.selector.register(wake_r, selectors.EVENT_READ, "wake")
         self.selector.register(self.server, selectors.EVENT_READ, "server")
@@ -149,13 +138,14 @@ class Supervisor:
                           run_directory=run_directory)
                  for i, (uid, directory, run_uid, run_directory) in enumerate(taken)]
         server_end, template_end = pair()
-        pid = os.fork()
-        if pid == 0:
-            die_with_parent()
+
+        def become_template() -> None:
             server_end.close()
             self.server.close()
             self.selector.close()
             template.run(config, specs, template_end)  # never returns
+
+        pid = fork_child(become_template)
         template_end.close()
         self.held[pid] = taken
         send(self.server, {"op": "template", "pid": pid, "slots": len(specs)}, fds=[server_end.fileno()])
@@ -166,17 +156,12 @@ class Supervisor:
 def start(pool: SlotPool) -> tuple[int, socket.socket]:
     """Forks the supervisor. Returns its pid and the server's end of the control socket."""
     server_end, supervisor_end = pair()
-    pid = os.fork()
-    if pid == 0:
-        code = 0
-        try:
-            die_with_parent()
-            server_end.close()
-            Supervisor(supervisor_end, pool).run()
-        except BaseException:  # noqa: BLE001 - the server sees the socket close and reports NOT_SERVING
-            code = 70
-        finally:
-            os._exit(code)
+
+    def supervise() -> None:
+        server_end.close()
+        Supervisor(supervisor_end, pool).run()  # if it raises, the server sees the socket close: NOT_SERVING
+
+    pid = fork_child(supervise)
     supervisor_end.close()
     return pid, server_end
 

@@ -97,10 +97,7 @@ class Template:
         if any(s.spec.uid is not None for s in self.slots):
             seccomp.prepare()
         gc.freeze()  # the module's objects stay shared with every fork instead of being copied on first touch
-        wake_r, wake_w = os.pipe()
-        os.set_blocking(wake_w, False)
-        signal.set_wakeup_fd(wake_w)
-        signal.signal(signal.SIGCHLD, lambda *_: None)
+        wake_r = slots.sigchld_wakeup()
         self.selector.register(wake_r, selectors.EVENT_READ, "wake")
         self.selector.register(self.server, selectors.EVENT_READ, "server")
         for s in self.slots:
