@@ -32,9 +32,9 @@ SLOT_UID_BASE = 100000
 
 def sandbox_slots(isolation: str, workers: int, warm: int) -> int:
     """How many slots (uid + scratch directory) one version of a reward's function holds: ``warm`` pre-forked
-    processes for ``isolation: sample`` (at least ``workers``), one per worker for ``isolation: worker``. A
+    processes for ``isolation: sample`` and ``process`` (at least ``workers``), one per worker for ``isolation: worker``. A
     sandbox has room for two versions at once, as a reload's new version starts while the old one finishes."""
-    return max(workers, warm) if isolation == "sample" else workers
+    return workers if isolation == "worker" else max(workers, warm)
 
 # The release, reported by every sandbox server (Describe) and the host package alike.
 VERSION = "0.2.0"

@@ -268,7 +268,7 @@ def _reward_manifests(config: RewardboxConfig, index: int, reward: RewardSpec, i
         {"name": "scratch", "emptyDir": {"medium": "Memory",
                                          "sizeLimit": _binary_quantity(tmpfs_bytes * 2 * plan.slots)}},
     ]
-    if reward.isolation == "sample":
+    if reward.isolation != "worker":
         # No shared memory between samples: the pod's /dev/shm (world-writable, shared by its containers) is
         # replaced by an empty read-only one, as the docker backend runs such containers without /dev/shm.
         mounts.append({"name": "no-shm", "mountPath": "/dev/shm", "readOnly": True})

@@ -21,6 +21,8 @@ from .spec import RewardSpec
 from .transport import Connection, GrpcTransport, Transport
 from .wire.pb import reward_pb2 as pb
 
+_ISOLATION = {"sample": pb.ISOLATION_SAMPLE, "process": pb.ISOLATION_PROCESS, "worker": pb.ISOLATION_WORKER}
+
 log = logging.getLogger("rewardbox")
 
 RECHECK_S = 5.0  # a shared service set aside after failing health is tried again after this long
@@ -34,7 +36,7 @@ def function_source(reward: RewardSpec, path: Path) -> pb.FunctionSource:
         source=path.read_text(),
         function=reward.function_name,
         style=pb.STYLE_BATCH if reward.style == "batch" else pb.STYLE_SAMPLE,
-        isolation=pb.ISOLATION_WORKER if reward.isolation == "worker" else pb.ISOLATION_SAMPLE,
+        isolation=_ISOLATION[reward.isolation],
         warm=reward.warm or 0,  # 0: the sandbox's default
         workers=reward.workers,
         concurrency=reward.concurrency,

@@ -112,9 +112,11 @@ class RewardSpec(_Strict):
     source: Path = Field(description="Python file, relative to the config file")
     function: Optional[str] = Field(default=None, description="attribute to call; default: name")
     style: Literal["sample", "batch"] = "sample"
-    isolation: Literal["sample", "worker"] = Field(
-        default="sample", description="sample: a fresh process per sample (per call, batch style); worker: reused "
-        "processes that keep state across samples (trusted code only)")
+    isolation: Literal["sample", "process", "worker"] = Field(
+        default="sample", description="sample: every sample starts from the module's state after import, in a "
+        "process reused only while nothing happened in it that could leave state behind (per call, batch style); "
+        "process: a fresh process for every sample, always; worker: reused processes that keep state across "
+        "samples (trusted code only)")
     packages: list[str] = Field(default_factory=list, description="pip requirement strings, or local folders/wheels")
     system_packages: list[str] = Field(default_factory=list, description="Debian packages installed in this "
                                        "reward's image, e.g. [g++, nodejs]")

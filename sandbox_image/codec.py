@@ -12,6 +12,11 @@ evaluated; a result that does not parse exactly is the samples' ``invalid``, nev
 
 Before any of it, the worker writes one byte, ``STARTED``, when it takes the request (before the function runs),
 so the server can tell a request that never ran from one whose worker died, and starts the deadline there.
+
+Streamed (``isolation: sample`` and ``process``): one answer per unit (a sample; for batch style, the whole call),
+written as soon as that unit is scored, each followed by a trailer: ``C`` (the process may go on) or a marker
+(:mod:`.reuse`: it must not). A marker may also come *before* a unit's answer: that unit's reward call did
+something that could leave state behind, and everything after its own answer is ignored.
 """
 
 from __future__ import annotations
@@ -87,6 +92,36 @@ def encode_result(outcomes: Sequence[Outcome], logs: str, dropped: int, max_log_
 def result_limit(samples: int, max_log_bytes: int) -> int:
     """The most bytes a well-formed answer for this many samples can have."""
     return _HEADER.size + samples * (_SAMPLE.size + MAX_ERROR_BYTES) + max_log_bytes + LOG_SLACK_BYTES
+
+
+HEADER_SIZE = _HEADER.size
+SAMPLE_SIZE = _SAMPLE.size
+
+
+def frame_header(header: bytes, samples: int, max_log_bytes: int) -> tuple[int, int]:
+    """(samples, log bytes) that a streamed answer's header declares, checked against what the request can
+    have, so a reader knows how much to read before :func:`decode_result` checks the rest.
+
+    Raises:
+        MalformedResult: wrong magic, count or log length.
+    """
+    magic, count, _, log_length = _HEADER.unpack(header)
+    if magic != MAGIC or count != samples or log_length > max_log_bytes + LOG_SLACK_BYTES:
+        raise MalformedResult(f"a streamed answer declares {count} samples and {log_length} log bytes"
+                              if magic == MAGIC else "a streamed answer does not start with the magic bytes")
+    return count, log_length
+
+
+def sample_error_length(head: bytes) -> int:
+    """The error text's length that one sample's fixed part declares.
+
+    Raises:
+        MalformedResult: over MAX_ERROR_BYTES.
+    """
+    length = _SAMPLE.unpack(head)[3]
+    if length > MAX_ERROR_BYTES:
+        raise MalformedResult(f"a sample's error text declares {length} bytes")
+    return length
 
 
 def answer_length(data: bytes, samples: int) -> Optional[int]:

@@ -17,6 +17,7 @@ the template, one that dies without answering is ``crash`` with the exit status 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import socket
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from ..wire import HARD_TIMEOUT_MARGIN_S, Outcome, Status, TrainerState
-from . import codec
+from . import codec, reuse
 from .channel import ChannelClosed, recv, send
 from .records import BatchResult, ChunkResult, FunctionInfo, SampleBatch, WorkerConfig
 
@@ -55,6 +56,50 @@ def _hung_or_crashed(done: Optional[ChunkResult], failed: Optional[Outcome]):
     return done, failed
 
 
+MAX_CHUNK = 4096  # samples in one streamed request
+
+
+class _Ended(Exception):
+    """The worker closed its end of the request's socket (or it was reset)."""
+
+
+class _Reader:
+    """Buffered reads of exact sizes from a request's socket, each within a deadline."""
+
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop):
+        self.sock, self.loop, self.buffer = sock, loop, bytearray()
+
+    async def exactly(self, n: int, end: float) -> bytes:
+        """``n`` bytes, read by ``end`` (the loop's clock).
+
+        Raises: _Ended (end of stream), asyncio.TimeoutError."""
+        if len(self.buffer) < n:
+            while len(self.buffer) < n:
+                try:
+                    chunk = await asyncio.wait_for(self.loop.sock_recv(self.sock, max(_READ_CHUNK, n)),
+                                                   max(0.0, end - self.loop.time()))
+                except asyncio.TimeoutError:  # an OSError too (Python 3.11): not an end of the stream
+                    raise
+                except OSError:  # reset by a dying worker
+                    raise _Ended() from None
+                if not chunk:
+                    raise _Ended()
+                self.buffer += chunk
+        data = bytes(self.buffer[:n])
+        del self.buffer[:n]
+        return data
+
+
+@dataclass
+class _Streamed:
+    """What a streamed request settled: answers of its first units, in order; the status of the unit after them
+    when it failed; whether the process that served it must be retired."""
+
+    answered: list = field(default_factory=list)
+    failed: Optional[Outcome] = None
+    retired: bool = False
+
+
 class FunctionPool:
     """A loaded function version: its template process and the requests that run on it."""
 
@@ -72,8 +117,12 @@ class FunctionPool:
         self.broken_slots: set = set()
         self._ids = itertools.count(1)
         self._exits: dict[int, _Exit] = {}
+        self._live: set = set()  # requests sent and not yet answered
+        self._chunk_cap = MAX_CHUNK  # isolation: sample: samples per request; 1 after a taint, doubled after none
+        self._taints_logged: set = set()
         self._loaded: Optional[asyncio.Future] = None
         self._gate: Optional[asyncio.Semaphore] = None
+        self._runners = 1  # requests running at once
         self._on_broken = on_broken
 
     @classmethod
@@ -102,8 +151,8 @@ class FunctionPool:
             raise
         pool.info = info
         running = config.workers * (config.concurrency if info.is_async else 1)
-        pool._gate = asyncio.Semaphore(max(1, min(running, slots)) if config.isolation == "sample"
-                                       else max(1, config.workers))
+        pool._runners = max(1, min(running, slots)) if config.isolation != "worker" else max(1, config.workers)
+        pool._gate = asyncio.Semaphore(pool._runners)
         return pool
 
     # -- messages from the template ------------------------------------------------------------------------------
@@ -121,7 +170,7 @@ class FunctionPool:
                                                  tuple(info["required_keywords"])))
         elif op == "load_error" and self._loaded is not None and not self._loaded.done():
             self._loaded.set_exception(LoadError(message["message"]))
-        elif op == "exited":
+        elif op == "exited" and int(message["req"]) in self._live:  # a late one is for a request already answered
             exit_ = self._exits.setdefault(int(message["req"]), _Exit(str(message["status"])))
             exit_.status = str(message["status"])
             exit_.event.set()
@@ -158,8 +207,8 @@ class FunctionPool:
             state_dict = None if state is None else dict(vars(state))
             if self.style == "batch":
                 return await self._score_call(batch, timeout_s, state_dict)
-            if self.config.isolation == "sample":
-                parts = [batch.slice(i, i + 1) for i in range(len(batch))]
+            if self.config.isolation != "worker":
+                return await self._score_streamed(batch, timeout_s, state_dict)
             else:
                 k = min(self.config.workers, len(batch))
                 bounds = [round(i * len(batch) / k) for i in range(k + 1)]
@@ -172,6 +221,46 @@ class FunctionPool:
             self.in_flight -= 1
             if self.retiring and self.in_flight == 0:
                 self.close()
+
+    async def _score_streamed(self, batch: SampleBatch, timeout_s: float, state: Optional[dict]) -> BatchResult:
+        """isolation: sample and process (sample style): requests of several samples, each sample answered as soon as
+        it is scored. What a request leaves unscored (after a sample that tainted its process, crashed or hung) goes
+        back to the queue for another process; every request settles at least one sample."""
+        outcomes: list = [None] * len(batch)  # per sample: a one-sample ChunkResult or an Outcome
+        pending = collections.deque(range(len(batch)))
+        replaced = 0
+
+        async def run_requests() -> None:
+            nonlocal replaced
+            while pending:
+                size = self._chunk_size(len(pending))
+                taken = [pending.popleft() for _ in range(min(size, len(pending)))]
+                streamed = await self._request_streamed(batch.take(taken), timeout_s, state)
+                for k, answer in enumerate(streamed.answered):
+                    outcomes[taken[k]] = answer
+                settled = len(streamed.answered)
+                if streamed.failed is not None:
+                    outcomes[taken[settled]] = streamed.failed
+                    settled += 1
+                    replaced += 1
+                pending.extendleft(reversed(taken[settled:]))
+                self._chunk_cap = 1 if streamed.retired or self.config.isolation == "process" \
+                    else min(MAX_CHUNK, self._chunk_cap * 2)
+
+        while pending:
+            await asyncio.gather(*(run_requests() for _ in range(min(self._runners, len(pending)))))
+        result = BatchResult(workers_replaced=replaced)
+        for outcome in outcomes:
+            if isinstance(outcome, ChunkResult):
+                result.add(outcome)
+            else:
+                result.add_failed(outcome)
+        return result
+
+    def _chunk_size(self, pending: int) -> int:
+        """Samples for the next request: an even share of what is left, up to the cap (a reward that taints its
+        process gets one sample per request, so no request carries samples that would only be sent back)."""
+        return max(1, min(self._chunk_cap, -(-pending // self._runners)))
 
     async def _score_part(self, part: SampleBatch, timeout_s: float, state: Optional[dict]) -> BatchResult:
         result = BatchResult()
@@ -235,7 +324,26 @@ class FunctionPool:
         return per_call * timeout_s + HARD_TIMEOUT_MARGIN_S
 
     async def _request(self, batch: SampleBatch, timeout_s: float, state: Optional[dict]):
-        """(ChunkResult, None) when a worker answered well-formed, else (None, the Outcome the samples share).
+        """(ChunkResult, None) when a worker answered well-formed, else (None, the Outcome the samples share): the
+        whole batch as one unit (a batch-style call, or a worker's chunk).
+
+        Raises:
+            PoolUnavailable: the template is gone (nothing started), so the caller can retry elsewhere.
+        """
+        if self.config.isolation == "worker":
+            return await self._send(batch, timeout_s, state, self._exchange)
+        streamed = await self._request_streamed(batch, timeout_s, state, units=1)
+        return (streamed.answered[0], None) if streamed.answered else (None, streamed.failed)
+
+    async def _request_streamed(self, batch: SampleBatch, timeout_s: float, state: Optional[dict],
+                                units: Optional[int] = None) -> "_Streamed":
+        """A streamed request (isolation: sample and process) of ``units`` units (default: one per sample)."""
+        return await self._send(batch, timeout_s, state,
+                                lambda ours, request, *args: self._stream(ours, request, *args, units=units))
+
+    async def _send(self, batch: SampleBatch, timeout_s: float, state: Optional[dict], exchange: Callable):
+        """Sends a request to the template with a socket of its own and runs ``exchange`` on that socket. Tells the
+        template when it is done (and whether the process that served it must be retired).
 
         Raises:
             PoolUnavailable: the template is gone (nothing started), so the caller can retry elsewhere.
@@ -252,16 +360,101 @@ class FunctionPool:
                 raise PoolUnavailable(f"reward {self.name!r}: its template is gone ({e})") from None
             finally:
                 theirs.close()
+            self._live.add(request)
+            retire = True
             try:
-                return await self._exchange(ours, request, batch, timeout_s, state)
+                answer = await exchange(ours, request, batch, timeout_s, state)
+                retire = getattr(answer, "retired", self.config.isolation != "worker")
+                return answer
             finally:
                 ours.close()
+                self._live.discard(request)
                 self._exits.pop(request, None)
-                if self.config.isolation == "worker" and self.dead is None:
+                if self.dead is None:
                     try:
-                        send(self.sock, {"op": "done", "req": request})
+                        send(self.sock, {"op": "done", "req": request, "retire": retire})
                     except OSError:
                         pass
+
+    async def _stream(self, ours: socket.socket, request: int, batch: SampleBatch, timeout_s: float,
+                      state: Optional[dict], units: Optional[int] = None) -> "_Streamed":
+        """Reads a streamed answer (:mod:`.codec`, :mod:`.reuse`) unit by unit, each within its own deadline. Units
+        answered before a marker are kept; a unit whose call tainted its process keeps its own answer; the unit
+        running when the process died, hung or broke the format gets that status; the rest are left unscored."""
+        loop = asyncio.get_running_loop()
+        ours.setblocking(False)
+        await loop.sock_sendall(ours, codec.encode_request(batch, timeout_s, state))
+        ours.shutdown(socket.SHUT_WR)
+        streamed = _Streamed()
+        first = await self._read_start(ours)
+        if first is None:
+            if self.dead is not None:
+                raise PoolUnavailable(f"reward {self.name!r}: {self.dead}")
+            streamed.failed = await self._died(request)
+            return streamed
+        units = len(batch) if units is None else units
+        per_unit = len(batch) // units
+        reader = _Reader(ours, loop)
+        unit_s = self._hard_timeout(per_unit, timeout_s)
+        try:
+            for k in range(units):
+                deadline_s = loop.time() + unit_s  # each unit's answer and trailer, from the end of the last one
+                head = await reader.exactly(1, deadline_s)
+                tainted = head == reuse.MARK
+                if tainted:
+                    index, reason = await self._marker(reader, deadline_s)
+                    if index != k:
+                        raise codec.MalformedResult(f"a marker names sample {index} while sample {k} runs")
+                    self._note_taint(reason)
+                    head = await reader.exactly(1, deadline_s)
+                streamed.answered.append(await self._frame(reader, head, per_unit, deadline_s))
+                trailer = await reader.exactly(1, deadline_s)
+                if tainted or trailer != reuse.CLEAN:
+                    if not tainted and trailer == reuse.MARK:
+                        index, reason = await self._marker(reader, deadline_s)
+                        if index == k:
+                            self._note_taint(reason)
+                    streamed.retired = True
+                    return streamed
+        except asyncio.TimeoutError:
+            try:
+                send(self.sock, {"op": "kill", "req": request})
+            except OSError:
+                pass
+            streamed.failed = Outcome.failed(Status.TIMEOUT, f"exceeded timeout_s={timeout_s:g}; the worker was "
+                                                             "killed")
+        except _Ended:
+            streamed.failed = await self._died(request)
+        except codec.MalformedResult as e:
+            streamed.failed = Outcome.failed(Status.INVALID, f"malformed answer from the worker: {e}")
+        if streamed.failed is not None or len(streamed.answered) < units:
+            streamed.retired = True
+        return streamed
+
+    async def _frame(self, reader: "_Reader", head: bytes, samples: int, deadline_s: float) -> ChunkResult:
+        """One unit's answer, its first byte already read, by ``deadline_s`` (the loop's clock)."""
+        header = head + await reader.exactly(codec.HEADER_SIZE - 1, deadline_s)
+        count, log_length = codec.frame_header(header, samples, self.config.max_log_bytes)
+        parts = [header]
+        for _ in range(count):
+            fixed = await reader.exactly(codec.SAMPLE_SIZE, deadline_s)
+            parts += [fixed, await reader.exactly(codec.sample_error_length(fixed), deadline_s)]
+        parts.append(await reader.exactly(log_length, deadline_s))
+        return codec.decode_result(b"".join(parts), samples, self.config.max_log_bytes)
+
+    @staticmethod
+    async def _marker(reader: "_Reader", deadline_s: float) -> tuple[int, str]:
+        index, length = reuse.parse_marker_head(reuse.MARK + await reader.exactly(reuse.MARKER_HEAD - 1, deadline_s))
+        reason = (await reader.exactly(length, deadline_s)).decode("ascii", "replace")
+        return index, reason
+
+    def _note_taint(self, reason: str) -> None:
+        """Logs, once per kind, why this reward's processes are not reused (what to change to make them so)."""
+        kind = reason.split(" ", 1)[0]
+        if self.config.isolation == "sample" and kind not in self._taints_logged and len(self._taints_logged) < 32:
+            self._taints_logged.add(kind)
+            log.info("reward %s: a sample's process is not reused after %r (isolation: sample); later samples run "
+                     "in fresh processes", self.name, reason[:200])
 
     async def _exchange(self, ours: socket.socket, request: int, batch: SampleBatch, timeout_s: float,
                         state: Optional[dict]):

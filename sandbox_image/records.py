@@ -25,7 +25,7 @@ class WorkerConfig:
     source: str
     function: str
     style: str  # "sample" | "batch"
-    isolation: str  # "sample": a fresh process per sample (per call, batch style) | "worker": reused processes
+    isolation: str  # "sample": processes reused while clean (.reuse) | "process": a fresh one per sample | "worker"
     workers: int  # samples (sync) or requests (worker isolation) running at once
     concurrency: int  # async functions: samples in flight per process
     max_log_bytes: int

@@ -47,7 +47,8 @@ from .records import SampleBatch, WorkerConfig
 log = logging.getLogger("rewardbox.sandbox")
 
 _STYLE_NAMES = {pb.STYLE_SAMPLE: "sample", pb.STYLE_BATCH: "batch"}
-_ISOLATION_NAMES = {pb.ISOLATION_UNSPECIFIED: "sample", pb.ISOLATION_SAMPLE: "sample", pb.ISOLATION_WORKER: "worker"}
+_ISOLATION_NAMES = {pb.ISOLATION_UNSPECIFIED: "sample", pb.ISOLATION_SAMPLE: "sample", pb.ISOLATION_WORKER: "worker",
+                    pb.ISOLATION_PROCESS: "process"}
 
 
 def _info(fp: FunctionPool) -> pb.FunctionInfo:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 from ..wire import Outcome, Status, trainer_state_from_dict
-from . import codec, seccomp, worker
+from . import codec, reuse, seccomp, worker
 from .channel import ChannelClosed, optional_fd, recv
 
 READY = b"R"  # followed by the IPC mark (u64)
@@ -383,6 +383,7 @@ def _internal_error(n: int) -> tuple:
 
 
 def _handle(loaded: worker.Loaded, fd: int) -> None:
+    """isolation: worker: one answer for the request's samples."""
     sock = socket.socket(fileno=fd)
     sock.setblocking(True)
     sock.sendall(codec.STARTED)
@@ -396,6 +397,79 @@ def _handle(loaded: worker.Loaded, fd: int) -> None:
     except BaseException:  # noqa: BLE001 - reported as these samples' error, not as a crash
         result = _internal_error(len(batch))
     _answer(loaded, sock, result)
+
+
+_RETIRING_ERRORS = ("MemoryError", "RecursionError")
+
+
+def _retire_reason(outcomes: list, check: Optional[reuse.StateCheck]) -> Optional[str]:
+    """Why this process must not serve another sample although nothing tainted it (None: it may)."""
+    for o in outcomes:
+        if o.status is Status.TIMEOUT:
+            return "a call was interrupted at its timeout"
+        if o.status is Status.ERROR and o.error and o.error.rstrip().rsplit("\n", 1)[-1].startswith(_RETIRING_ERRORS):
+            return "a call ran out of memory or recursion depth"
+    return check.changed() if check is not None else "isolation: process"
+
+
+def _units(loaded: worker.Loaded, batch) -> list:
+    """What is scored, answered and judged for reuse one at a time: each sample, or the whole call (batch style)."""
+    if loaded.config.style == "batch":
+        return [batch]
+    return [batch.slice(i, i + 1) for i in range(len(batch))]
+
+
+async def _score_units(loaded: worker.Loaded, sock: socket.socket, batch, timeout_s: float, state: Optional[dict],
+                       check: Optional[reuse.StateCheck]) -> bool:
+    """Scores the units of a streamed request in order, each answer sent before the next unit runs. Returns whether
+    this process may serve another request. One event loop for the request (made before any unit runs)."""
+    try:
+        trainer_state = trainer_state_from_dict(state)
+    except BaseException:  # noqa: BLE001
+        trainer_state = None
+    for k, unit in enumerate(_units(loaded, batch)):
+        reuse.begin(sock.fileno(), k)
+        try:
+            if loaded.info.is_async:
+                result = await worker.score_async(loaded, unit, timeout_s, trainer_state)
+            else:
+                result = worker.score(loaded, unit, timeout_s, trainer_state)
+        except BaseException:  # noqa: BLE001 - reported as these samples' error, not as a crash
+            result = _internal_error(len(unit))
+        finally:
+            tainted = reuse.end()
+        retire = tainted or _retire_reason(result[0], check)
+        frame = codec.encode_result(result[0], result[1], result[2], loaded.config.max_log_bytes)
+        try:
+            sock.sendall(frame + (reuse.marker(k, retire) if retire else reuse.CLEAN))
+        except OSError:
+            return False  # the server gave up on this request (its deadline passed)
+        if retire:
+            return False
+    return True
+
+
+def _handle_stream(loaded: worker.Loaded, fd: int, check: Optional[reuse.StateCheck]) -> bool:
+    """isolation: sample (``check`` set) and process: a streamed answer, unit by unit (:mod:`.codec`). Returns
+    whether this process may serve another request."""
+    sock = socket.socket(fileno=fd)
+    sock.setblocking(True)
+    try:
+        sock.sendall(codec.STARTED)
+        batch, timeout_s, state = codec.decode_request(_read_request(sock))
+        return asyncio.run(_score_units(loaded, sock, batch, timeout_s, state, check)) if loaded.info.is_async \
+            else _run_coroutine(_score_units(loaded, sock, batch, timeout_s, state, check))
+    finally:
+        sock.close()
+
+
+def _run_coroutine(coroutine) -> bool:
+    """Runs a coroutine that never awaits anything (a sync function's units) without an event loop."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("a sync reward's units awaited something")
 
 
 async def _handle_async(loaded: worker.Loaded, fd: int) -> None:
@@ -444,12 +518,15 @@ async def _serve_async(loaded: worker.Loaded, control: socket.socket) -> None:
     await closed
 
 
-def serve(loaded: worker.Loaded, control: socket.socket, reuse: bool, mark: int) -> None:
-    """Serves request sockets sent over ``control``: one (``reuse`` false) or until the template goes away."""
+def serve(loaded: worker.Loaded, control: socket.socket, mode: str, mark: int) -> None:
+    """Serves request sockets sent over ``control`` (``mode`` is the isolation level): ``worker``, until the
+    template goes away; ``sample``, until a request leaves this process unfit for another (:mod:`.reuse`);
+    ``process``, one request."""
     control.sendall(READY + _MARK.pack(mark))
-    if reuse and loaded.info.is_async:
+    if mode == "worker" and loaded.info.is_async:
         asyncio.run(_serve_async(loaded, control))
         return
+    check = reuse.StateCheck(loaded.fn) if mode == "sample" else None
     while True:
         try:
             _, fds = recv(control)
@@ -458,20 +535,24 @@ def serve(loaded: worker.Loaded, control: socket.socket, reuse: bool, mark: int)
         fd = optional_fd(fds)
         if fd is None:
             continue
-        if not reuse:
+        if mode == "worker":
+            _handle(loaded, fd)
+            continue
+        if mode == "process":
             control.close()  # reward code never holds a channel to the template
-        _handle(loaded, fd)
-        if not reuse:
+        if not _handle_stream(loaded, fd, check) or mode == "process":
             return
 
 
-def run(loaded: worker.Loaded, slot: SlotSpec, control: socket.socket, reuse: bool,
+def run(loaded: worker.Loaded, slot: SlotSpec, control: socket.socket, mode: str,
         run_channel: Optional[socket.socket] = None) -> None:
     """The whole life of a slot process; never returns."""
     code = 0
     try:
         try:
             mark = prepare(slot, control.fileno(), None if run_channel is None else run_channel.detach())
+            if mode == "sample":
+                reuse.install()
         except BaseException as e:  # noqa: BLE001 - still trusted code here: tell the template why
             code = 70
             reason = f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:MAX_REASON]
@@ -480,7 +561,7 @@ def run(loaded: worker.Loaded, slot: SlotSpec, control: socket.socket, reuse: bo
             except OSError:
                 pass
             return
-        serve(loaded, control, reuse, mark)
+        serve(loaded, control, mode, mark)
     except BaseException:  # noqa: BLE001 - reward code ran in this process: nothing it says is reported
         code = 70
     finally:

@@ -3,7 +3,8 @@
 The supervisor forks it (docker backend: as root holding SETUID, SETGID and KILL, which its slot processes give up).
 It talks only to the server, over a control socket (:mod:`.channel`):
 
-- server -> template: ``run`` (with the request's socket), ``done`` (a reused worker finished a request),
+- server -> template: ``run`` (with the request's socket), ``done`` (the server read a request's answer; with
+  ``retire``, the process that served it is killed: :mod:`.reuse`),
   ``kill`` (a request ran past its deadline), ``close``;
 - template -> server: ``loaded`` (the function's signature info) or ``load_error`` once, then ``exited`` for each
   slot process that ended while it held requests (with its exit status), and ``slot_failed`` when a slot cannot
@@ -46,6 +47,7 @@ class _Slot:
     pid: int = 0
     control: Optional[socket.socket] = None
     ready: bool = False
+    retiring: bool = False  # killed for good reason, not yet reaped: no request goes to it
     requests: set = field(default_factory=set)
     setup_failures: int = 0
     respawn_at: float = 0.0
@@ -56,7 +58,7 @@ class _Slot:
 class Template:
     def __init__(self, config: WorkerConfig, slot_specs: list[slots.SlotSpec], server: socket.socket):
         self.config = config
-        self.reuse = config.isolation == "worker"
+        self.mode = config.isolation  # worker | sample (reused while clean, see .reuse) | process
         self.slots = [_Slot(spec) for spec in slot_specs]
         self.server = server
         self.queue: collections.deque = collections.deque()  # (request id, fd)
@@ -122,17 +124,10 @@ class Template:
         return max(0.0, min(due) - time.monotonic()) if due else None
 
     def _may_spawn(self) -> bool:
-        """Whether to fork slot processes now. With isolation: sample a fork (about a millisecond of the template's
-        time and as much again in the child) is put off while samples run on warm processes, unless requests
-        wait for a process: the warm ones serve the batch without competing for the CPU, and are replaced
-        when it is done."""
-        if self.closing:
-            return False
-        if self.reuse:
-            return True
-        if self.queue:  # as many processes on the way as requests wait
-            return sum(1 for s in self.slots if s.pid and not s.ready and not s.requests) < len(self.queue)
-        return not any(s.requests for s in self.slots)
+        """Whether to fork slot processes now: always, but while closing. A slot's next process is what cleans up
+        after its last one (kills what it left, removes its files and IPC objects), so it is forked as soon as the
+        last one is gone: nothing a finished sample left may live on beside the samples still running."""
+        return not self.closing
 
     # -- slot processes ------------------------------------------------------------------------------------------
     def _run_channel(self, s: _Slot) -> Optional[socket.socket]:
@@ -161,7 +156,7 @@ class Template:
             return
         if pid == 0:
             parent_end.close()
-            slots.run(self.loaded, s.spec, child_end, self.reuse, run_end)  # never returns
+            slots.run(self.loaded, s.spec, child_end, self.mode, run_end)  # never returns
         child_end.close()
         if run_end is not None:
             run_end.close()
@@ -210,7 +205,7 @@ class Template:
             if s.control.fileno() in self.selector.get_map():
                 self.selector.unregister(s.control)
             s.control.close()
-        s.pid, s.control, s.ready, s.requests = 0, None, False, set()
+        s.pid, s.control, s.ready, s.retiring, s.requests = 0, None, False, False, set()
         if not served:
             s.setup_failures += 1
             if s.setup_failures >= MAX_SETUP_FAILURES:
@@ -250,9 +245,16 @@ class Template:
             fd = optional_fd(fds)
             if fd is not None:
                 self.queue.append((request, fd))
-        elif op == "done":
+        elif op == "done":  # the server read the request's answer; ``retire``: the process must not serve again
             for s in self.slots:
-                s.requests.discard(request)
+                if request in s.requests:
+                    s.requests.discard(request)
+                    if message.get("retire") and s.pid:
+                        s.retiring = True
+                        try:
+                            os.kill(s.pid, signal.SIGKILL)
+                        except OSError:
+                            pass
         elif op == "kill":
             for s in self.slots:
                 if request in s.requests and s.pid:
@@ -264,8 +266,8 @@ class Template:
             self.closing = True
 
     def _free_slot(self) -> Optional[_Slot]:
-        candidates = [s for s in self.slots if s.ready and s.pid]
-        if not self.reuse:
+        candidates = [s for s in self.slots if s.ready and s.pid and not s.retiring]
+        if self.mode != "worker":  # one request at a time per process
             return next((s for s in candidates if not s.requests), None)
         if not self.loaded.info.is_async:
             candidates = [s for s in candidates if not s.requests]
@@ -285,7 +287,7 @@ class Template:
                 continue
             os.close(fd)
             s.requests.add(request)
-            if not self.reuse:
+            if self.mode == "process":
                 s.ready = False
 
 

@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 
 from ..wire import (BATCH_KEYWORDS, OPTIONAL_KEYWORDS, TRAINER_OBJECTS, Outcome, Status, TrainerState,
                     decode_columns, example_of)
+from . import reuse
 from .records import FunctionInfo, SampleBatch, WorkerConfig
 
 MAX_ERROR_CHARS = 4000
@@ -214,7 +215,8 @@ def _error(exc: BaseException) -> Outcome:
     try:
         if isinstance(exc, SystemExit):
             return Outcome.failed(Status.ERROR, f"SystemExit({_shown(exc.code)}) raised by the reward function")
-        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        with reuse.paused():  # formatting compiles the source lines it shows: our work, not the sample's
+            text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     except BaseException:  # noqa: BLE001 - an exception whose str() or traceback raises
         text = f"{type(exc).__name__} (its message could not be formatted)"
     return Outcome.failed(Status.ERROR, text[-MAX_ERROR_CHARS:])

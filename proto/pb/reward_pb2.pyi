@@ -18,6 +18,7 @@ class Isolation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ISOLATION_UNSPECIFIED: _ClassVar[Isolation]
     ISOLATION_SAMPLE: _ClassVar[Isolation]
     ISOLATION_WORKER: _ClassVar[Isolation]
+    ISOLATION_PROCESS: _ClassVar[Isolation]
 
 class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -34,6 +35,7 @@ STYLE_BATCH: Style
 ISOLATION_UNSPECIFIED: Isolation
 ISOLATION_SAMPLE: Isolation
 ISOLATION_WORKER: Isolation
+ISOLATION_PROCESS: Isolation
 STATUS_UNSPECIFIED: Status
 STATUS_OK: Status
 STATUS_ERROR: Status

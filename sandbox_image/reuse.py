@@ -1,0 +1,177 @@
+"""Whether a slot process may serve another sample (``isolation: sample``), decided where no sample can reach.
+
+A reward that only reads its inputs (a regex, parsing, arithmetic) leaves nothing behind in its process, and that
+process may score the next sample as fast as a reused worker. A process in which anything happened that could leave
+state for a later sample must never serve another. Before any of that happens, only trusted code runs in the
+process: the reward's own code, on data. Data becomes code, threads, processes, files or native calls only through
+operations that CPython reports to audit hooks (PEP 578) *before* they take effect: ``exec``, ``compile``,
+``import`` of a module not imported yet, ``pickle.find_class``, ``marshal.loads``, ``ctypes.*``, ``os.system``,
+``subprocess.Popen``, ``_thread.start_new_thread``, ``open`` for writing, ``os.chdir``, ``object.__setattr__`` on
+types, and so on. Every event is a taint except the few read-only ones in :data:`HARMLESS`.
+
+On the first taint while a sample runs, the hook writes a marker naming that sample into the request's socket, before
+the event's code can run. The server reads that socket: the marker reaches it ahead of anything the sample's code
+could write afterwards, and nothing in this process can take back bytes already sent. The server then accepts the
+tainted sample's own answer (as with a fresh process, code a reward runs in its own process can set that sample's
+score), scores every later sample of the request elsewhere, and has the template kill this process. A flag in this
+process would not do: the code it guards could reset it.
+
+The hook cannot be removed (CPython offers no way to), and a process ends a request with a trailer the server
+checks: :data:`CLEAN` (may serve again) or a marker (retire), written by this trusted code after a sample that left
+the module's top-level state changed, timed out, or ran out of memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import struct
+import sys
+from typing import Any, Callable, Iterator, Optional
+
+CLEAN = b"C"
+MARK = b"T"
+_MARKER = struct.Struct("<cIB")  # MARK, the sample's index in its request, length of the reason that follows
+MAX_REASON = 120
+
+# Events that only read: they cannot leave state for a later sample. ``open`` is harmless when it only reads.
+HARMLESS = frozenset({
+    "builtins.id", "object.__getattr__", "sys._getframe", "time.sleep", "os.listdir", "os.scandir", "glob.glob",
+    "glob.glob/2", "array.__new__", "os.stat", "sys._getframemodulename",
+})
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+
+def marker(index: int, reason: str) -> bytes:
+    """The bytes that tell the server that sample ``index`` of a request tainted its process, and why."""
+    data = reason.encode("ascii", "backslashreplace")[:MAX_REASON]
+    return _MARKER.pack(MARK, index, len(data)) + data
+
+
+MARKER_HEAD = _MARKER.size
+
+
+def parse_marker_head(head: bytes) -> tuple[int, int]:
+    """(sample index, reason length) from the first MARKER_HEAD bytes of a marker."""
+    _, index, length = _MARKER.unpack(head)
+    return index, length
+
+
+def _read_only(args: tuple) -> bool:
+    _, mode, flags = (tuple(args) + (None, None, None))[:3]
+    if isinstance(mode, str):
+        return not any(c in mode for c in "wax+")
+    return isinstance(flags, int) and not flags & _WRITE_FLAGS
+
+
+class _Watch:
+    """The hook's state. Only this module's functions change it, and only trusted code calls them; once the process
+    is tainted, nothing here is relied on any more."""
+
+    def __init__(self) -> None:
+        self.fd = -1  # the running request's socket
+        self.index = -1  # the running sample's index in it; -1: no sample is running
+        self.paused = 0
+        self.tainted: Optional[str] = None
+        self.installed = False
+
+    def hook(self, event: str, args: tuple) -> None:
+        if self.index < 0 or self.paused or self.tainted is not None:
+            return
+        if event in HARMLESS or (event == "open" and _read_only(args)):
+            return
+        try:
+            detail = repr(args[0])[:60] if args else ""
+        except BaseException:  # noqa: BLE001 - an argument whose repr raises
+            detail = ""
+        self.tainted = f"{event} {detail}".strip()
+        data = marker(self.index, self.tainted)
+        try:
+            while data:
+                data = data[os.write(self.fd, data):]
+        except OSError:
+            # The server is gone or the socket was closed: the event must not happen unreported.
+            raise RuntimeError("rewardbox: this sample's process could not report an operation; refused") from None
+
+
+_WATCH = _Watch()
+
+
+def install() -> None:
+    """Installs the hook in this process (a slot process, before any reward code runs)."""
+    if not _WATCH.installed:
+        sys.addaudithook(_WATCH.hook)
+        _WATCH.installed = True
+
+
+def begin(fd: int, index: int) -> None:
+    """Sample ``index`` of the request on socket ``fd`` starts running."""
+    _WATCH.fd, _WATCH.index = fd, index
+
+
+def end() -> Optional[str]:
+    """The running sample ended. Returns what tainted the process (None: nothing did)."""
+    _WATCH.index = -1
+    return _WATCH.tainted
+
+
+def tainted() -> Optional[str]:
+    return _WATCH.tainted
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Our own work inside a sample (formatting a traceback compiles source lines) is not the sample's."""
+    _WATCH.paused += 1
+    try:
+        yield
+    finally:
+        _WATCH.paused -= 1
+
+
+_CONTAINERS = (list, dict, set, bytearray, collections.deque)
+
+
+class StateCheck:
+    """What of the reward's module state a sample could have changed without any audited event: its top-level
+    names (rebinding one), the sizes of the containers they hold, and the function's defaults and closure cells.
+    Taken once per process; compared after each sample (trusted code: nothing ran that could fool it)."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.namespace: dict = getattr(fn, "__globals__", None) or {}
+        self.names = dict(self.namespace)
+        self.cells = tuple(c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if _filled(c))
+        self.closure = getattr(fn, "__closure__", None) or ()
+        values = list(self.names.values()) + list(self.cells)
+        values += list(getattr(fn, "__defaults__", None) or ()) + list((getattr(fn, "__kwdefaults__", None)
+                                                                          or {}).values())
+        self.containers = [v for v in values if isinstance(v, _CONTAINERS)]
+        self.sizes = [len(c) for c in self.containers]
+
+    def changed(self) -> Optional[str]:
+        """What changed since the process started (None: nothing)."""
+        try:
+            if self.namespace != self.names:  # identity first: an untouched name costs no comparison
+                rebound = [k for k in self.namespace.keys() | self.names.keys()
+                           if self.namespace.get(k, _MISSING) is not self.names.get(k, _MISSING)]
+                return f"the reward module's top-level name {sorted(rebound)[0]!r} changed" if rebound else \
+                    "the reward module's top-level names changed"
+            if tuple(c.cell_contents for c in self.closure if _filled(c)) != self.cells:
+                return "the reward function's closure changed"
+        except BaseException:  # noqa: BLE001 - a rebound value whose == raises (a numpy array) is a change too
+            return "the reward module's top-level names changed"
+        if [len(c) for c in self.containers] != self.sizes:
+            return "a container the reward module holds changed size"
+        return None
+
+
+_MISSING = object()
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
