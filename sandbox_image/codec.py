@@ -124,19 +124,19 @@ def sample_error_length(head: bytes) -> int:
     return length
 
 
-def answer_length(data: bytes, samples: int) -> Optional[int]:
+def answer_length(data: bytes, samples: int, start: int = 0) -> Optional[int]:
     """How long the answer that starts ``data`` is, once enough of it arrived to tell (None before that), so the
     reader stops at its end instead of waiting for the socket to close (a process the sample left behind may hold
     it open). The result is only a length: :func:`decode_result` still checks everything."""
-    if len(data) < _HEADER.size:
+    if len(data) < start + _HEADER.size:
         return None
-    _, count, _, log_length = _HEADER.unpack_from(data, 0)
-    offset = _HEADER.size
+    _, count, _, log_length = _HEADER.unpack_from(data, start)
+    offset = start + _HEADER.size
     for _ in range(min(count, samples)):
         if offset + _SAMPLE.size > len(data):
             return None
         offset += _SAMPLE.size + _SAMPLE.unpack_from(data, offset)[3]
-    return offset + log_length
+    return offset + log_length - start
 
 
 def decode_result(data: bytes, samples: int, max_log_bytes: int) -> ChunkResult:

@@ -67,13 +67,36 @@ class _Reader:
     """Buffered reads of exact sizes from a request's socket, each within a deadline."""
 
     def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop):
-        self.sock, self.loop, self.buffer = sock, loop, bytearray()
+        self.sock, self.loop, self.buffer, self.pos = sock, loop, bytearray(), 0
+
+    def buffered_frame(self, samples: int) -> Optional[bytes]:
+        """The whole answer at the read position when it has all arrived, else None (its lengths are only checked by
+        the decoder: a declared length past what arrived is waited for piece by piece, checked first)."""
+        length = codec.answer_length(self.buffer, samples, self.pos)
+        if length is None or len(self.buffer) - self.pos < length:
+            return None
+        return self.take(length)
+
+    def take(self, n: int) -> bytes:
+        data = bytes(self.buffer[self.pos:self.pos + n])
+        self.pos += n
+        return data
+
+    def peek(self) -> bytes:
+        return bytes(self.buffer[self.pos:self.pos + 1])
 
     async def exactly(self, n: int, end: float) -> bytes:
         """``n`` bytes, read by ``end`` (the loop's clock).
 
         Raises: _Ended (end of stream), asyncio.TimeoutError."""
-        if len(self.buffer) < n:
+        await self.fill(n, end)
+        return self.take(n)
+
+    async def fill(self, n: int, end: float) -> None:
+        """Waits until ``n`` bytes are buffered (same deadline and errors as :meth:`exactly`)."""
+        if len(self.buffer) - self.pos < n:
+            del self.buffer[:self.pos]
+            self.pos = 0
             while len(self.buffer) < n:
                 try:
                     chunk = await asyncio.wait_for(self.loop.sock_recv(self.sock, max(_READ_CHUNK, n)),
@@ -85,9 +108,6 @@ class _Reader:
                 if not chunk:
                     raise _Ended()
                 self.buffer += chunk
-        data = bytes(self.buffer[:n])
-        del self.buffer[:n]
-        return data
 
 
 @dataclass
@@ -399,23 +419,25 @@ class FunctionPool:
         try:
             for k in range(units):
                 deadline_s = loop.time() + unit_s  # each unit's answer and trailer, from the end of the last one
-                head = await reader.exactly(1, deadline_s)
-                tainted = head == reuse.MARK
+                await reader.fill(1, deadline_s)
+                tainted = reader.peek() == reuse.MARK
                 if tainted:
                     index, reason = await self._marker(reader, deadline_s)
                     if index != k:
                         raise codec.MalformedResult(f"a marker names sample {index} while sample {k} runs")
                     self._note_taint(reason)
-                    head = await reader.exactly(1, deadline_s)
-                streamed.answered.append(await self._frame(reader, head, per_unit, deadline_s))
-                trailer = await reader.exactly(1, deadline_s)
-                if tainted or trailer != reuse.CLEAN:
-                    if not tainted and trailer == reuse.MARK:
-                        index, reason = await self._marker(reader, deadline_s)
-                        if index == k:
-                            self._note_taint(reason)
+                streamed.answered.append(await self._frame(reader, per_unit, deadline_s))
+                if tainted:  # what follows its own answer is not ours to read
                     streamed.retired = True
                     return streamed
+                await reader.fill(1, deadline_s)
+                if reader.peek() != reuse.CLEAN:  # a marker: this trusted process asks to be retired
+                    index, reason = await self._marker(reader, deadline_s)
+                    if index == k:
+                        self._note_taint(reason)
+                    streamed.retired = True
+                    return streamed
+                reader.take(1)
         except asyncio.TimeoutError:
             try:
                 send(self.sock, {"op": "kill", "req": request})
@@ -431,9 +453,13 @@ class FunctionPool:
             streamed.retired = True
         return streamed
 
-    async def _frame(self, reader: "_Reader", head: bytes, samples: int, deadline_s: float) -> ChunkResult:
-        """One unit's answer, its first byte already read, by ``deadline_s`` (the loop's clock)."""
-        header = head + await reader.exactly(codec.HEADER_SIZE - 1, deadline_s)
+    async def _frame(self, reader: "_Reader", samples: int, deadline_s: float) -> ChunkResult:
+        """One unit's answer, by ``deadline_s`` (the loop's clock): at once when it has all arrived, else piece by
+        piece, each length checked before it is waited for."""
+        whole = reader.buffered_frame(samples)
+        if whole is not None:
+            return codec.decode_result(whole, samples, self.config.max_log_bytes)
+        header = await reader.exactly(codec.HEADER_SIZE, deadline_s)
         count, log_length = codec.frame_header(header, samples, self.config.max_log_bytes)
         parts = [header]
         for _ in range(count):
@@ -444,7 +470,7 @@ class FunctionPool:
 
     @staticmethod
     async def _marker(reader: "_Reader", deadline_s: float) -> tuple[int, str]:
-        index, length = reuse.parse_marker_head(reuse.MARK + await reader.exactly(reuse.MARKER_HEAD - 1, deadline_s))
+        index, length = reuse.parse_marker_head(await reader.exactly(reuse.MARKER_HEAD, deadline_s))
         reason = (await reader.exactly(length, deadline_s)).decode("ascii", "replace")
         return index, reason
 
