@@ -9,7 +9,6 @@ holding only SETUID, SETGID and KILL; the supervisor keeps those, and this proce
 from __future__ import annotations
 
 import argparse
-import asyncio
 import ctypes
 import logging
 import os
@@ -92,6 +91,8 @@ def main(argv: Optional[list] = None) -> int:
     pid, sock = supervisor_module.start(pool)
     if args.server_uid is not None and os.getuid() != args.server_uid:
         _become(args.server_uid)
+    import asyncio  # only now, after the fork: importing it loads ssl, which makes every later fork cost more
+
     from .server import Supervisor, serve  # grpc only now, after the fork
 
     supervisor = Supervisor(pid, sock, nproc=args.sample_nproc if args.slot_uids else None,

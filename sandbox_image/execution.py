@@ -15,13 +15,12 @@ Standard library only.
 
 from __future__ import annotations
 
+import _thread
 import base64
 import os
 import signal
 import socket
-import subprocess
 import sys
-import threading
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence, Union
 
@@ -89,26 +88,25 @@ class RunnerUnavailable(RuntimeError):
 class _Channel:
     """The way to this process's runner: the socket the sandbox gave this slot process, else a helper process."""
 
-    def __init__(self, sock: socket.socket, process: Optional[subprocess.Popen] = None):
+    def __init__(self, sock: socket.socket, process: Optional["subprocess.Popen"] = None):
         self.sock = sock
         self.process = process
-        self.lock = threading.Lock()  # one request at a time per socket
+        self.lock = _thread.allocate_lock()  # one request at a time per socket
 
     def call(self, request: dict) -> dict:
         with self.lock:
             # The reward's own timeout (SIGALRM) waits until the reply is in: raised in the middle of the exchange
             # it would leave half a frame on the socket for the next call. Past its timeout the sandbox kills
-            # the process, and the runner, seeing the socket close, kills the program.
-            masked = threading.current_thread() is threading.main_thread()
-            old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM}) if masked else None
+            # the process, and the runner, seeing the socket close, kills the program. (Masked in whichever thread
+            # calls: Python runs the handler in the main thread, and a mask elsewhere changes nothing.)
+            old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
             try:
                 runner_module.write_frame(self.sock, request)
                 reply = runner_module.read_frame(self.sock, MAX_REPLY)
             except (OSError, runner_module.RequestError) as e:
                 raise RunnerUnavailable(f"the program runner failed: {e}") from None
             finally:
-                if masked:
-                    signal.pthread_sigmask(signal.SIG_SETMASK, old)
+                signal.pthread_sigmask(signal.SIG_SETMASK, old)
             if reply is None:
                 raise RunnerUnavailable("the program runner went away (the sandbox is stopping, or it ran out of "
                                         "processes: see the reward's pids)")
@@ -117,7 +115,7 @@ class _Channel:
 
 _channel: Optional[_Channel] = None
 _channel_pid = 0
-_channel_lock = threading.Lock()
+_channel_lock = _thread.allocate_lock()
 _unavailable = ""  # why this process may not run programs at all
 
 
@@ -140,6 +138,8 @@ def _connect() -> _Channel:
             env = dict(os.environ)
             env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # where this rewardbox came from
             command = f"from rewardbox.sandbox.runner import main; main([{theirs.fileno()}])"
+            import subprocess  # here: outside a sandbox only (threading, which it loads, slows every fork)
+
             process = subprocess.Popen([sys.executable, "-c", command], pass_fds=(theirs.fileno(),), env=env,
                                        stdin=subprocess.DEVNULL)
             theirs.close()

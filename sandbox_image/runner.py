@@ -40,7 +40,6 @@ import socket
 import stat
 import struct
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -784,6 +783,8 @@ def main(argv: Optional[list] = None) -> int:
     fd = int((argv if argv is not None else sys.argv[1:])[0])
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     slots.die_with_parent()
+    import tempfile  # here: it loads random, whose reseeding would run after every fork of a template
+
     with tempfile.TemporaryDirectory(prefix="rbx-run-") as directory:
         slot = RunSlot(uid=None, directory=os.path.join(directory, "scratch"))
         return Monitor(slot, socket.socket(fileno=fd)).loop()

@@ -21,7 +21,6 @@ request and exits, so every sample (a whole call, for batch style) starts from t
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import os
 import resource
@@ -59,6 +58,18 @@ class SlotSpec:
     atomic_kill: bool = False  # the kernel signals kill(-1) atomically against fork (Linux; not gVisor)
     run_uid: Optional[int] = None  # the uid of the programs its reward code runs (rewardbox.sandbox.run)
     run_directory: str = ""  # their scratch directory
+    # The template proved that no process of this uid is left (see Template._no_strangers): the cleanup needs no
+    # kill or /proc scan, and no IPC objects can exist (the seccomp filter refuses them to every slot process).
+    known_clean: bool = False
+
+
+_CLOSE_RANGE = 436  # the same number on every Linux architecture
+
+
+def _close_range(low: int, high: int) -> None:
+    """Closes descriptors low..high in one system call (os.closerange lists /proc/self/fd first)."""
+    if _LIBC.syscall(_CLOSE_RANGE, ctypes.c_uint(low), ctypes.c_uint(high), ctypes.c_uint(0)) != 0:
+        os.closerange(low, min(high + 1, 65536))  # a kernel without close_range (gVisor's)
 
 
 def _close_inherited(*keep: int) -> None:
@@ -67,9 +78,10 @@ def _close_inherited(*keep: int) -> None:
         os.dup2(devnull, fd)
     low = 3
     for fd in sorted(k for k in keep if k >= 3):
-        os.closerange(low, fd)
+        if fd > low:
+            _close_range(low, fd - 1)
         low = fd + 1
-    os.closerange(low, 65536)
+    _close_range(low, 0xFFFFFFFF)
     if devnull > 2 and devnull not in keep:
         try:
             os.close(devnull)
@@ -98,12 +110,37 @@ def statuses_of(uid: int) -> Iterator[tuple[int, bytes]]:
 
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+# The libc already loaded (find_library would run ldconfig in a subprocess), loaded once, before any fork.
+_LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
     """Asks the kernel to send ``sig`` (SIGKILL) to this process when its parent exits."""
-    # CDLL(None): the libc already loaded (find_library would run ldconfig in a subprocess).
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    _LIBC.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+
+
+def become_subreaper() -> None:
+    """Makes this process the one that inherits its orphaned descendants (not their init)."""
+    _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def children() -> Optional[set]:
+    """The pids of this (single-threaded) process's children, from the kernel; None where it does not list them."""
+    try:
+        fd = os.open(f"/proc/self/task/{os.getpid()}/children", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        data = b""
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    return {int(pid) for pid in data.split()}
 
 
 def fork_child(main: Callable[[], None]) -> int:
@@ -219,7 +256,7 @@ def remove_ipc(uid: int, mark: int) -> int:
     Linux lists objects by index (*_INFO, *_STAT). gVisor has no such index, but numbers objects in order: the ids
     allocated since ``mark`` (what this slot's last cleanup saw) are tried. Returns the new mark.
     """
-    libc = ctypes.CDLL(None, use_errno=True)  # the libc this process already has (find_library runs ldconfig)
+    libc = _LIBC
     buf = ctypes.create_string_buffer(512)
     indexed = os.path.isdir("/proc/sysvipc")
     new_mark = mark
@@ -295,8 +332,11 @@ def empty(directory: str) -> None:
 
 def _set_oom_score_adj(value: int) -> None:
     # Before dropping privileges: afterwards this process is no longer dumpable and the file is root's.
-    with open("/proc/self/oom_score_adj", "w") as f:
-        f.write(str(value))
+    fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+    try:
+        os.write(fd, str(value).encode())
+    finally:
+        os.close(fd)
 
 
 REAPER_UID_BIT = 1 << 31  # a real uid of its own for the cleanup stage: no slot process runs under it
@@ -328,8 +368,9 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
         os.setresgid(slot.uid, slot.uid, slot.uid)
         # Clean up after the uid's earlier processes while they can neither signal nor trace this one.
         os.setresuid(slot.uid | REAPER_UID_BIT, slot.uid, 0)
-        kill_uid(slot.uid, atomic=slot.atomic_kill)
-        mark = remove_ipc(slot.uid, mark)
+        if not slot.known_clean:
+            kill_uid(slot.uid, atomic=slot.atomic_kill)
+            mark = remove_ipc(slot.uid, mark)
         empty(slot.directory)
         os.seteuid(0)  # the capabilities return (the saved uid is 0) for the one last change
         os.setresuid(slot.uid, slot.uid, slot.uid)  # no capability is left after this
@@ -384,6 +425,8 @@ def _internal_error(n: int) -> tuple:
 
 def _handle(loaded: worker.Loaded, fd: int) -> None:
     """isolation: worker: one answer for the request's samples."""
+    import asyncio  # preloaded by the template of an async function (see worker)
+
     sock = socket.socket(fileno=fd)
     sock.setblocking(True)
     sock.sendall(codec.STARTED)
@@ -457,8 +500,12 @@ def _handle_stream(loaded: worker.Loaded, fd: int, check: Optional[reuse.StateCh
     try:
         sock.sendall(codec.STARTED)
         batch, timeout_s, state = codec.decode_request(_read_request(sock))
-        return asyncio.run(_score_units(loaded, sock, batch, timeout_s, state, check)) if loaded.info.is_async \
-            else _run_coroutine(_score_units(loaded, sock, batch, timeout_s, state, check))
+        units = _score_units(loaded, sock, batch, timeout_s, state, check)
+        if not loaded.info.is_async:
+            return _run_coroutine(units)
+        import asyncio  # preloaded by the template of an async function (see worker)
+
+        return asyncio.run(units)
     finally:
         sock.close()
 
@@ -473,6 +520,8 @@ def _run_coroutine(coroutine) -> bool:
 
 
 async def _handle_async(loaded: worker.Loaded, fd: int) -> None:
+    import asyncio  # preloaded by the template of an async function (see worker)
+
     loop = asyncio.get_running_loop()
     sock = socket.socket(fileno=fd)
     sock.setblocking(False)
@@ -495,6 +544,8 @@ async def _handle_async(loaded: worker.Loaded, fd: int) -> None:
 
 async def _serve_async(loaded: worker.Loaded, control: socket.socket) -> None:
     """isolation: worker with an async function: one event loop for the worker's life, requests concurrently."""
+    import asyncio  # preloaded by the template of an async function (see worker)
+
     loop = asyncio.get_running_loop()
     closed = loop.create_future()
     tasks: set = set()
@@ -524,6 +575,8 @@ def serve(loaded: worker.Loaded, control: socket.socket, mode: str, mark: int) -
     ``process``, one request."""
     control.sendall(READY + _MARK.pack(mark))
     if mode == "worker" and loaded.info.is_async:
+        import asyncio  # preloaded by the template of an async function (see worker)
+
         asyncio.run(_serve_async(loaded, control))
         return
     check = reuse.StateCheck(loaded.fn) if mode == "sample" else None

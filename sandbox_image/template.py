@@ -53,6 +53,7 @@ class _Slot:
     respawn_at: float = 0.0
     broken: bool = False
     last_failure: str = ""
+    cleaned: bool = False  # a process of this template got ready in this slot: it had cleaned up after the uid
 
 
 class Template:
@@ -66,6 +67,7 @@ class Template:
         self.loaded: Optional[worker.Loaded] = None
         self.closing = False
         self.runner: Optional[socket.socket] = None
+        self.runner_pid = 0
 
     # -- life ----------------------------------------------------------------------------------------------------
     def _start_runner(self) -> None:
@@ -77,9 +79,11 @@ class Template:
         slot_map = {spec.index: runner_module.RunSlot(uid=spec.run_uid, directory=spec.run_directory,
                                                       nproc=spec.nproc, memory=spec.memory,
                                                       atomic_kill=spec.atomic_kill) for spec in specs}
-        _, self.runner = runner_module.start(slot_map)
+        self.runner_pid, self.runner = runner_module.start(slot_map)
 
     def run(self) -> None:
+        if any(s.spec.uid is not None for s in self.slots):
+            slots.become_subreaper()  # what slot processes leave behind becomes our child: see _no_strangers
         self._start_runner()
         from . import execution  # here: execution imports the slot module, which imports this one's dependencies
 
@@ -96,6 +100,8 @@ class Template:
             "is_async": info.is_async, "accepted_keywords": list(info.accepted_keywords),
             "accepts_var_keywords": info.accepts_var_keywords, "signature": info.signature,
             "required_keywords": list(info.required_keywords)}})
+        if info.is_async:
+            import asyncio  # noqa: F401 - here, once, for every slot process (sync rewards never load it)
         if any(s.spec.uid is not None for s in self.slots):
             seccomp.prepare()
         gc.freeze()  # the module's objects stay shared with every fork instead of being copied on first touch
@@ -143,7 +149,18 @@ class Template:
         runner_end.close()
         return slot_end
 
+    def _no_strangers(self) -> bool:
+        """Whether every child of this template is one it knows (a slot process or the runner). Every process of a
+        slot's uid descends from a slot process this template forked (its first process for that uid killed
+        whatever an earlier holder of the uid left): when one dies, its orphans become our children (we are their
+        subreaper), and no process can leave that tree (ptrace is refused to samples). So with no stranger among
+        our children, a uid whose last process we reaped has no process left anywhere."""
+        found = slots.children()
+        return found is not None and found <= {s.pid for s in self.slots if s.pid} | {self.runner_pid}
+
     def _spawn(self, s: _Slot) -> None:
+        if s.spec.uid is not None:
+            s.spec = dataclasses.replace(s.spec, known_clean=s.cleaned and self._no_strangers())
         parent_end, child_end = pair()
         run_end = self._run_channel(s)
         try:
@@ -180,7 +197,7 @@ class Template:
         if message[:1] == slots.READY and len(message) == slots.READY_SIZE:
             (mark,) = slots._MARK.unpack(message[1:])
             s.spec = dataclasses.replace(s.spec, ipc_mark=mark)
-            s.ready, s.setup_failures = True, 0
+            s.ready, s.setup_failures, s.cleaned = True, 0, True
             # From here on reward code may run in that process: nothing it writes is read.
             s.control.shutdown(socket.SHUT_RD)
         elif message[:1] == slots.FAILED:
