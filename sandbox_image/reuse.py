@@ -23,9 +23,12 @@ the module's top-level state changed, timed out, or ran out of memory.
 
 from __future__ import annotations
 
+import _thread
+import builtins
 import collections
 import contextlib
 import os
+import signal
 import struct
 import sys
 from typing import Any, Callable, Iterator, Optional
@@ -99,10 +102,22 @@ _WATCH = _Watch()
 
 
 def install() -> None:
-    """Installs the hook in this process (a slot process, before any reward code runs)."""
-    if not _WATCH.installed:
-        sys.addaudithook(_WATCH.hook)
-        _WATCH.installed = True
+    """Installs the hook in this process (a slot process, before any reward code runs). CPython 3.11 audits no thread
+    start (3.13 does): starting one goes through a wrapper that raises the event first."""
+    if _WATCH.installed:
+        return
+    sys.addaudithook(_WATCH.hook)
+    _WATCH.installed = True
+    start = _thread.start_new_thread
+
+    def start_new_thread(function, args, kwargs=None):
+        sys.audit("_thread.start_new_thread", function, args, kwargs)
+        return start(function, args, kwargs) if kwargs is not None else start(function, args)
+
+    _thread.start_new_thread = _thread.start_new = start_new_thread
+    threading = sys.modules.get("threading")
+    if threading is not None and getattr(threading, "_start_new_thread", None) is start:
+        threading._start_new_thread = start_new_thread
 
 
 def begin(fd: int, index: int) -> None:
@@ -133,14 +148,31 @@ def paused() -> Iterator[None]:
 _CONTAINERS = (list, dict, set, bytearray, collections.deque)
 
 
+# Signals whose handler or blocking a sample could change for the next one: those the kernel sends a process on its
+# own (faults, limits, a broken pipe, timers) and the usual ones. SIGALRM is the sandbox's own timeout.
+_WATCHED_SIGNALS = tuple(getattr(signal, name) for name in (
+    "SIGVTALRM", "SIGPROF", "SIGPIPE", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGXCPU", "SIGXFSZ",
+    "SIGCHLD", "SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGIO", "SIGURG") if hasattr(signal, name))
+_TIMERS = (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF)
+
+
 class StateCheck:
-    """What of the reward's module state a sample could have changed without any audited event: its top-level
-    names (rebinding one), the sizes of the containers they hold, and the function's defaults and closure cells.
+    """What a sample could have changed without any audited event (CPython 3.11 audits no thread start, timer,
+    signal handler, umask, attribute set on a class or sys.modules entry): the reward module's top-level names
+    (rebinding one), the sizes of the containers they hold, the function's defaults and closure cells, builtins,
+    sys.modules, running threads, interval timers, signal handlers and the signal mask, and the umask.
     Taken once per process; compared after each sample (trusted code: nothing ran that could fool it)."""
 
-    def __init__(self, fn: Callable) -> None:
+    def __init__(self, fn: Callable, timeout_handler: Any = None) -> None:
         self.namespace: dict = getattr(fn, "__globals__", None) or {}
         self.names = dict(self.namespace)
+        self.builtins = dict(vars(builtins))
+        self.modules = dict(sys.modules)
+        self.umask = os.umask(0o077)
+        os.umask(self.umask)
+        self.mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+        self.handlers = [signal.getsignal(s) for s in _WATCHED_SIGNALS]
+        self.alarm_handlers = (signal.SIG_DFL, timeout_handler)  # SIGALRM: the sandbox's own timeout
         self.cells = tuple(c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if _filled(c))
         self.closure = getattr(fn, "__closure__", None) or ()
         values = list(self.names.values()) + list(self.cells)
@@ -159,10 +191,25 @@ class StateCheck:
                     "the reward module's top-level names changed"
             if tuple(c.cell_contents for c in self.closure if _filled(c)) != self.cells:
                 return "the reward function's closure changed"
+            if vars(builtins) != self.builtins or sys.modules != self.modules:
+                return "builtins or sys.modules changed"
         except BaseException:  # noqa: BLE001 - a rebound value whose == raises (a numpy array) is a change too
             return "the reward module's top-level names changed"
         if [len(c) for c in self.containers] != self.sizes:
             return "a container the reward module holds changed size"
+        if _thread._count():
+            return "a thread is running"
+        if any(signal.getitimer(t) != (0.0, 0.0) for t in _TIMERS):
+            return "an interval timer is set"
+        if [signal.getsignal(s) for s in _WATCHED_SIGNALS] != self.handlers or \
+                signal.getsignal(signal.SIGALRM) not in self.alarm_handlers:
+            return "a signal handler changed"
+        if signal.pthread_sigmask(signal.SIG_BLOCK, ()) != self.mask:
+            return "the signal mask changed"
+        umask = os.umask(0o077)
+        os.umask(umask)
+        if umask != self.umask:
+            return "the umask changed"
         return None
 
 

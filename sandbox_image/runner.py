@@ -49,6 +49,9 @@ from . import slot as slots
 
 _LENGTH = struct.Struct("<Q")
 MAX_REQUEST = 256 * 1024 * 1024
+# A monitor holds what a sample sends it in memory the sample does not pay for: at most this much (or half the
+# sample's own address space, where it has a limit), so a sample cannot make it hold more than the sample could.
+MAX_MONITORED_REQUEST = 64 * 1024 * 1024
 MAX_RUNS = 1000
 MAX_FILES = 1000
 MAX_ARTIFACT = 256 * 1024 * 1024
@@ -255,6 +258,9 @@ class Monitor:
         self.slot = slot
         self.sock = sock  # the slot's socket: its closing means the caller is gone
         self.session = 0  # local backend: the last program's session, to kill
+        self.frame_limit = MAX_MONITORED_REQUEST if slot.uid is not None else MAX_REQUEST
+        if slot.uid is not None and slot.memory:
+            self.frame_limit = min(self.frame_limit, slot.memory // 2)
 
     # ---- privileges
     def _as_run_uid(self, reaper: bool = False) -> None:
@@ -653,7 +659,7 @@ class Monitor:
         signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that a program's exit wakes execute()
         while True:
             try:
-                message = read_frame(self.sock, MAX_REQUEST)
+                message = read_frame(self.sock, self.frame_limit)
             except RequestError as e:
                 write_frame(self.sock, {"error": f"rewardbox.sandbox.run: {e}"})
                 return 0  # the stream cannot be trusted to be at a frame boundary any more

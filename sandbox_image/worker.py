@@ -57,6 +57,11 @@ def _on_alarm(signum, frame):
     raise _SampleTimeout()
 
 
+def timeout_handler() -> Callable:
+    """The SIGALRM handler a sync function's calls run under (so a state check can tell it from a sample's own)."""
+    return _on_alarm
+
+
 def _user_line(exc: BaseException, filename: str) -> str:
     """The innermost line of the user's file in exc's traceback, as ``file:line``."""
     line = getattr(exc, "lineno", None) if isinstance(exc, SyntaxError) else None

@@ -65,6 +65,9 @@ class ContainerSpec:
     pids_limit: Optional[int] = None
     network_mode: str = "none"
     tmpfs_size: str = "64m"
+    # Files (inodes) per slot tmpfs: a tmpfs's size does not count them, and each costs the container's memory
+    # (about 5 KiB of kernel memory for an empty file, measured).
+    tmpfs_inodes: int = 8192
     shared_memory: bool = False  # /dev/shm (isolation: worker only: every sample would share it)
     runtime: Optional[str] = None
     default_warm: Optional[int] = None
@@ -106,10 +109,12 @@ class ContainerSpec:
     def slot_tmpfs(self) -> dict:
         first, count = self.slot_uids or (0, 0)
         if self.slot_root:
-            return {self.slot_root: f"rw,nosuid,nodev,exec,size={self.tmpfs_size},mode=0777"}  # as an emptyDir
+            return {self.slot_root: f"rw,nosuid,nodev,exec,size={self.tmpfs_size},mode=0777,"  # as an emptyDir
+                                    f"nr_inodes={self.tmpfs_inodes * 2 * count}"}
         # Docker mounts a tmpfs noexec unless told otherwise: the programs' directories hold compiled programs.
         return {f"{SLOT_DIR_PREFIX}{uid}": f"rw,nosuid,nodev,{'exec,' if uid >= first + count else ''}"
-                                           f"size={self.tmpfs_size},mode=0700,uid={uid},gid={uid}"
+                                           f"size={self.tmpfs_size},nr_inodes={self.tmpfs_inodes},mode=0700,"
+                                           f"uid={uid},gid={uid}"
                 for uid in range(first, first + 2 * count)}
 
     def run_kwargs(self, socket_mount: dict) -> dict:

@@ -96,7 +96,9 @@ class DockerSettings(BackendSettings):
     network_mode: str = Field(default="bridge", description="docker network of rewards with network: true")
     pip_args: list[str] = Field(default_factory=list, description="extra pip download args (--index-url ...)")
     cache_dir: Optional[Path] = Field(default=None, description="wheelhouse and build cache; default ~/.cache")
-    tmpfs_size: str = Field(default="64m", description="size of each container's /tmp")
+    tmpfs_size: str = Field(default="64m", description="size of each slot's scratch tmpfs (a sample's files)")
+    tmpfs_inodes: int = Field(default=8192, ge=64, description="files and directories a slot's scratch tmpfs may "
+                              "hold (its size does not count them; runc enforces it, gVisor does not)")
     system_packages_from: Literal["host", "build"] = Field(
         default="host", description="host: the host's apt-get downloads rewards' system_packages for the base image "
         "(the image build needs no network); build: the image build runs apt-get with the engine's default network")
@@ -194,6 +196,7 @@ class DockerBackend:
             pids_limit=reward.pids,
             network_mode=self.settings.network_mode if reward.network else "none",
             tmpfs_size=self.settings.tmpfs_size,
+            tmpfs_inodes=self.settings.tmpfs_inodes,
             shared_memory=reward.isolation == "worker",
             runtime=self.settings.runtime,
             default_warm=plan.default_warm,

@@ -1,0 +1,266 @@
+"""isolation: sample at real batch sizes, in real containers (runc and gVisor): a process is reused only while
+nothing happened in it that could leave state behind (sandbox_image/reuse.py), and what a finished sample leaves
+(processes, files, inodes, memory a helper holds for it) is gone before it can reach a later sample of the batch.
+
+Each test asserts the innocent samples' exact values and statuses, not only the guilty ones'.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+import time
+
+import pytest
+import yaml
+
+from rewardbox import RewardSandboxes, build_samples, load_config
+from rewardbox.wire import Status
+from tests.docker.conftest import docker_backend
+
+REWARDS = '''
+import builtins, os, re, signal, sys, time
+
+PATTERN = re.compile(r"<answer>(\\d+)</answer>")
+SEEN = []
+
+
+def pid(prompt, completion, example):
+    """A pure reward that shows which process scored the sample."""
+    match = PATTERN.search(completion)
+    return float(os.getpid()) if match else -1.0
+
+
+def act(prompt, completion, example):
+    """Does what the completion names (trusted reward code doing it, so no code runs from data), then returns the
+    pid of its process and when it ran (pid * 1000 + seconds of the monotonic clock, mod 1000); first returns -1
+    if anything an earlier sample did is visible."""
+    if (getattr(builtins, "poisoned", False) or SEEN or os.environ.get("POISONED") or os.getcwd() != os.environ["HOME"]
+            or "rbx_planted" in sys.modules or signal.getsignal(signal.SIGUSR1) is not signal.SIG_DFL):
+        return -1.0
+    if completion == "exec":
+        exec("x = 1", {})
+    elif completion == "eval":
+        eval("1 + 1")
+    elif completion == "import":
+        import wave  # noqa: F401 - a module nothing imported before
+    elif completion == "thread":
+        import _thread
+        _thread.start_new_thread(lambda: None, ())
+    elif completion == "write":
+        with open("scratch.txt", "w") as f:
+            f.write("x")
+    elif completion == "chdir":
+        os.chdir("/")
+    elif completion == "putenv":
+        os.environ["POISONED"] = "1"
+    elif completion == "ctypes":
+        import ctypes
+        ctypes.CDLL(None).getpid()
+    elif completion == "pickle":
+        import pickle
+        pickle.loads(pickle.dumps(Exception("x")))
+    elif completion == "marshal":
+        import marshal
+        marshal.loads(marshal.dumps(1))
+    elif completion == "fork":
+        child = os.fork()
+        if child == 0:
+            os._exit(0)
+        os.waitpid(child, 0)
+    elif completion == "modules":
+        sys.modules["rbx_planted"] = sys
+    elif completion == "umask":
+        os.umask(0)
+    elif completion == "signal":
+        signal.signal(signal.SIGUSR1, lambda *args: None)
+    elif completion == "timer":
+        signal.setitimer(signal.ITIMER_VIRTUAL, 100)
+    elif completion == "sigmask":
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+    elif completion == "global":
+        SEEN.append(1)
+    elif completion == "builtins":
+        builtins.poisoned = True
+    return os.getpid() * 1000.0 + time.monotonic() % 1000
+
+
+def run(prompt, completion, example):
+    """Runs the completion: model-written code in the reward's own process."""
+    if getattr(builtins, "poisoned", False) or SEEN or os.listdir("."):
+        return -1.0
+    namespace = {}
+    exec(completion, namespace)
+    return namespace.get("score")
+'''
+
+ACTIONS = ["exec", "eval", "import", "thread", "write", "chdir", "putenv", "ctypes", "pickle", "marshal", "fork",
+           "global", "builtins", "modules", "umask", "signal", "timer", "sigmask"]
+TIMEOUT_S = 5.0
+
+
+@pytest.fixture(scope="module", params=["runc", "runsc"])
+def sandboxes(request, tmp_path_factory, docker_client, base_image):
+    if request.param == "runsc" and "runsc" not in docker_client.info().get("Runtimes", {}):
+        pytest.fail("the Docker engine has no runsc runtime: start it as scripts/setup.sh does")
+    root = tmp_path_factory.mktemp(f"reuse-{request.param}")
+    (root / "rewards.py").write_text(textwrap.dedent(REWARDS))
+    common = {"source": "rewards.py", "timeout_s": TIMEOUT_S, "workers": 2, "cpus": 2, "default_score": -5.0,
+              "memory": "1g", "retries": 1}
+    (root / "config.yaml").write_text(yaml.safe_dump({
+        "sandbox": {"backend": "docker", "docker": {"base_image": base_image,
+                                                    "runtime": None if request.param == "runc" else "runsc"}},
+        "rewards": [{"name": "pid", **common}, {"name": "pid_fresh", "function": "pid", "isolation": "process",
+                                                 **common},
+                    {"name": "pid_worker", "function": "pid", "isolation": "worker", **common},
+                    {"name": "act", **common}, {"name": "run", **common}],
+    }))
+    config = load_config(root / "config.yaml")
+    started = RewardSandboxes(config, backend=docker_backend(config, docker_client))
+    started.start()
+    started.runtime = request.param
+    yield started
+    started.stop()
+
+
+def score(sandboxes, name, completions):
+    return asyncio.run(sandboxes[name].client.score(build_samples(["p"] * len(completions), completions, {})))
+
+
+def test_a_pure_reward_reuses_its_processes_and_scores_as_worker_isolation_does(sandboxes):
+    completions = [f"<think>{i}</think><answer>{i}</answer>" if i % 3 else "no answer" for i in range(512)]
+    reused = score(sandboxes, "pid", completions)
+    assert reused.statuses == [Status.OK] * 512
+    pids = {v for v in reused.values if v != -1.0}
+    assert [v == -1.0 for v in reused.values] == [i % 3 == 0 for i in range(512)]
+    assert len(pids) <= 4, pids  # two requests at a time, each on one process: no process per sample
+    fresh = score(sandboxes, "pid_fresh", completions[:64])
+    assert fresh.statuses == [Status.OK] * 64
+    assert len({v for v in fresh.values if v != -1.0}) == sum(1 for i in range(64) if i % 3)  # one each
+    worker = score(sandboxes, "pid_worker", completions)
+    assert [v == -1.0 for v in worker.values] == [v == -1.0 for v in reused.values]
+
+
+def test_a_process_in_which_anything_could_leave_state_never_scores_another_sample(sandboxes):
+    # each action between two harmless samples, in one batch: whatever did it, no later sample runs in its process
+    completions = []
+    for action in ACTIONS:
+        completions += ["nothing", action, "nothing"]
+    report = score(sandboxes, "act", completions)
+    assert report.statuses == [Status.OK] * len(completions), report.errors
+    assert -1.0 not in report.values, list(zip(completions, report.values))  # nothing an action did was seen
+    ran = [(int(v // 1000), v % 1000, c) for c, v in zip(completions, report.values)]  # (pid, when, what)
+    for pid, when, completion in ran:
+        if completion != "nothing":
+            later = [c for p, w, c in ran if p == pid and w > when]
+            assert not later, (completion, "its process scored later samples", later)
+
+
+def test_answers_forged_after_a_taint_for_the_samples_behind_it_are_never_taken(sandboxes):
+    forger = textwrap.dedent("""
+        import builtins, os, stat
+        from rewardbox.sandbox import codec, reuse
+        from rewardbox.wire import Outcome, Status
+        reuse._WATCH.tainted = None  # undo what it can of the taint: too late, the marker is on its way
+        builtins.poisoned = True
+        forged = b"".join(codec.encode_result([Outcome(99.0, Status.OK)], "", 0, 1000) + reuse.CLEAN
+                          for _ in range(16))
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            try:
+                if stat.S_ISSOCK(os.fstat(fd).st_mode):
+                    os.write(fd, forged)
+            except OSError:
+                pass
+        score = 99.0
+    """)
+    innocents = [f"score = {i} / 8" for i in range(1, 9)]
+    report = score(sandboxes, "run", innocents[:4] + [forger] + innocents[4:])
+    results = list(zip(report.values, report.statuses))
+    # its own answer is its own to set (a reward that runs a completion in its own process lets it), or broken
+    assert results[4] in {(99.0, Status.OK), (-5.0, Status.INVALID)}, (results[4], report.errors[4])
+    expected = [(i / 8, Status.OK) for i in range(1, 9)]
+    assert results[:4] + results[5:] == expected, (results, report.errors)
+    later = score(sandboxes, "run", innocents)
+    assert later.values == [i / 8 for i in range(1, 9)] and later.statuses == [Status.OK] * 8
+
+
+def _innocents_after(sandboxes, attackers: list, innocent: str, expected: float, count: int):
+    started = time.monotonic()
+    report = score(sandboxes, "run", attackers + [innocent] * count)
+    elapsed = time.monotonic() - started
+    innocent_results = list(zip(report.values, report.statuses, report.errors))[len(attackers):]
+    assert innocent_results == [(expected, Status.OK, None)] * count, (innocent_results, report.logs[-2000:])
+    return report, elapsed
+
+
+def test_scratch_files_of_finished_samples_are_gone_before_later_samples_run(sandboxes):
+    writer = "open('big', 'wb').write(b'x' * (60 << 20))\nscore = 1.0"
+    report, elapsed = _innocents_after(sandboxes, [writer] * 20, "score = 0.5", 0.5, 12)
+    assert report.values[:20] == [1.0] * 20
+    assert elapsed < 60, elapsed
+
+
+def test_cpu_burning_leftovers_die_before_later_samples_run(sandboxes):
+    spinners = textwrap.dedent("""
+        import os
+        try:
+            for _ in range(60):
+                if os.fork() == 0:
+                    os.setsid()
+                    while True:
+                        pass
+        except OSError:
+            pass  # its uid's process limit
+        score = 1.0
+    """)
+    # 1.0 when the innocent had the CPU for at least a quarter of its wall time (60 spinners left behind by each
+    # of 3 samples would give it about a 90th). It waits first: what a sample does while it runs is contention
+    # between concurrent samples (the README's threat model); what it leaves after it ended must be gone by then.
+    busy = textwrap.dedent("""
+        import time
+        time.sleep(1.0)
+        wall, cpu = time.monotonic(), time.process_time()
+        sum(range(3_000_000))
+        score = float(time.monotonic() - wall < 4 * (time.process_time() - cpu) + 0.05)
+    """)
+    _innocents_after(sandboxes, [spinners] * 3, busy, 1.0, 6)
+
+
+def test_memory_a_helper_holds_for_a_sample_is_bounded_and_freed_with_it(sandboxes):
+    holder = textwrap.dedent("""
+        import os, signal, struct, time
+        from rewardbox.sandbox import execution
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        sock = execution._connect().sock
+        if os.fork() == 0:
+            os.setsid()
+            time.sleep(600)  # holds the runner's socket open after the sample ends
+        try:
+            sock.sendall(struct.pack("<I", 250 << 20))  # announces a 250 MiB request, sends 200 MiB of it
+            sock.sendall(b"x" * (200 << 20))
+        except OSError:
+            pass  # the runner refused the frame and closed its end
+        score = 1.0
+    """)
+    toucher = "buffer = bytearray(280 << 20)\nscore = 0.25"
+    _innocents_after(sandboxes, [holder] * 3, toucher, 0.25, 4)
+
+
+def test_a_sample_cannot_fill_the_kernel_with_empty_files(sandboxes):
+    # gVisor ignores a tmpfs's nr_inodes (the README says so): there the files only go with their sample
+    limited = sandboxes.runtime == "runc"
+    filler = textwrap.dedent(f"""
+        import os
+        made = 0
+        try:
+            for i in range({200_000 if limited else 20_000}):
+                open(f"f{{i}}", "w").close()
+                made += 1
+        except OSError:
+            pass
+        score = float(made)
+    """)
+    toucher = "buffer = bytearray(200 << 20)\nscore = 0.25"
+    report, _ = _innocents_after(sandboxes, [filler] * 3, toucher, 0.25, 3)
+    if limited:  # stopped by the slot tmpfs's nr_inodes
+        assert all(v is not None and 1000 < v < 10_000 for v in report.values[:3]), report.values[:3]
