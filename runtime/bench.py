@@ -13,7 +13,8 @@
 (g) samples per second of a code-execution reward (64 programs, a few wrong, each on 3 stdin/stdout tests):
     ``run_tests`` sandboxed (``isolation: sample``, ``workers: 2``) under runc and gVisor, versus the naive reward
     (``subprocess.run`` per test) in-process on a pool of 2 threads, and versus one ``docker run`` per sample, 2 at
-    a time; beside open-r1's published E2B figure.
+    a time; beside open-r1's published E2B figure;
+(h) ``isolation: sample`` at real batch sizes (1,024 and 4,096 completions): see :mod:`.bench_isolation`.
 Targets are printed beside the figures, never asserted.
 """
 
@@ -101,7 +102,7 @@ def _batch_times(reward, samples: list, iterations: int, pace_s: float) -> list[
     return asyncio.run(batches())
 
 
-PARTS = "abcdefg"
+PARTS = "abcdefgh"
 WORKER = "isolation: worker"
 
 
@@ -172,6 +173,11 @@ def run_bench(base_image: str, iterations: int = 200, progress: Callable[[str], 
 
         if "g" in parts:
             figures.extend(_code(client, builder, directory, base_image, progress))
+        if "h" in parts:
+            from .bench_isolation import isolation_figures
+
+            figures.extend(isolation_figures(client, directory / "h", base_image, _config, _backend, progress,
+                                             Figure))
     return figures
 
 

@@ -139,6 +139,26 @@ def answer_length(data: bytes, samples: int, start: int = 0) -> Optional[int]:
     return offset + log_length - start
 
 
+def decode_clean_units(data: bytearray, start: int, samples: int, units: int, max_log_bytes: int,
+                       clean: int) -> tuple[list, int]:
+    """Parses, from ``start``, up to ``units`` consecutive streamed answers of ``samples`` samples that have all
+    arrived, each followed by the trailer byte ``clean``; stops before anything else (a marker, a partial answer).
+    Returns (their ChunkResults, where it stopped).
+
+    Raises:
+        MalformedResult: an answer that arrived whole does not parse.
+    """
+    results = []
+    end = len(data)
+    while len(results) < units and start < end and data[start] == MAGIC[0]:
+        length = answer_length(data, samples, start)
+        if length is None or start + length >= end or data[start + length] != clean:
+            break
+        results.append(decode_result(bytes(data[start:start + length]), samples, max_log_bytes))
+        start += length + 1
+    return results, start
+
+
 def decode_result(data: bytes, samples: int, max_log_bytes: int) -> ChunkResult:
     """Parses and validates a worker's answer for ``samples`` samples.
 

@@ -15,6 +15,7 @@ Standard library only.
 
 from __future__ import annotations
 
+import _signal
 import _thread
 import base64
 import os
@@ -27,6 +28,7 @@ from typing import Mapping, Optional, Sequence, Union
 from . import runner as runner_module
 from .languages import LANGUAGES, lookup
 
+_sigmask = _signal.pthread_sigmask  # not the one a slot process wraps to report a sample's own uses (.reuse)
 STATUSES = ("ok", "runtime_error", "timeout", "memory", "compile_error", "output_limit")
 MAX_REPLY = 2 * runner_module.MAX_REQUEST + (64 << 20)
 
@@ -99,14 +101,14 @@ class _Channel:
             # it would leave half a frame on the socket for the next call. Past its timeout the sandbox kills
             # the process, and the runner, seeing the socket close, kills the program. (Masked in whichever thread
             # calls: Python runs the handler in the main thread, and a mask elsewhere changes nothing.)
-            old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+            old = _sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
             try:
                 runner_module.write_frame(self.sock, request)
                 reply = runner_module.read_frame(self.sock, MAX_REPLY)
             except (OSError, runner_module.RequestError) as e:
                 raise RunnerUnavailable(f"the program runner failed: {e}") from None
             finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, old)
+                _sigmask(signal.SIG_SETMASK, old)
             if reply is None:
                 raise RunnerUnavailable("the program runner went away (the sandbox is stopping, or it ran out of "
                                         "processes: see the reward's pids)")

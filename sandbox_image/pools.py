@@ -118,6 +118,7 @@ class _Streamed:
     answered: list = field(default_factory=list)
     failed: Optional[Outcome] = None
     retired: bool = False
+    unattributed: bool = False  # a failure that none of the units left can be blamed for alone
 
 
 class FunctionPool:
@@ -406,6 +407,7 @@ class FunctionPool:
         await loop.sock_sendall(ours, codec.encode_request(batch, timeout_s, state))
         ours.shutdown(socket.SHUT_WR)
         streamed = _Streamed()
+        tainted = False
         first = await self._read_start(ours)
         if first is None:
             if self.dead is not None:
@@ -417,9 +419,16 @@ class FunctionPool:
         reader = _Reader(ours, loop)
         unit_s = self._hard_timeout(per_unit, timeout_s)
         try:
-            for k in range(units):
+            k = 0
+            while k < units:
                 deadline_s = loop.time() + unit_s  # each unit's answer and trailer, from the end of the last one
                 await reader.fill(1, deadline_s)
+                clean, reader.pos = codec.decode_clean_units(reader.buffer, reader.pos, per_unit, units - k,
+                                                             self.config.max_log_bytes, reuse.CLEAN[0])
+                if clean:  # what has arrived of the clean units, at once
+                    streamed.answered += clean
+                    k += len(clean)
+                    continue
                 tainted = reader.peek() == reuse.MARK
                 if tainted:
                     index, reason = await self._marker(reader, deadline_s)
@@ -438,6 +447,7 @@ class FunctionPool:
                     streamed.retired = True
                     return streamed
                 reader.take(1)
+                k += 1
         except asyncio.TimeoutError:
             try:
                 send(self.sock, {"op": "kill", "req": request})
@@ -451,6 +461,10 @@ class FunctionPool:
             streamed.failed = Outcome.failed(Status.INVALID, f"malformed answer from the worker: {e}")
         if streamed.failed is not None or len(streamed.answered) < units:
             streamed.retired = True
+        if streamed.failed is not None and not tainted and units - len(streamed.answered) > 1:
+            # Answers of clean units travel together (slot.FLUSH_S): the one that hung or crashed may be any unit
+            # not answered yet. They all go back, one per request from now on, and the guilty one fails alone.
+            streamed.failed, streamed.unattributed = None, True
         return streamed
 
     async def _frame(self, reader: "_Reader", samples: int, deadline_s: float) -> ChunkResult:

@@ -28,7 +28,6 @@ import builtins
 import collections
 import contextlib
 import os
-import signal
 import struct
 import sys
 from typing import Any, Callable, Iterator, Optional
@@ -78,6 +77,17 @@ class _Watch:
         self.paused = 0
         self.tainted: Optional[str] = None
         self.installed = False
+        self.pending: list = []  # answers of the request not sent yet: written by trusted code, sent before any taint
+
+    def flush(self) -> None:
+        """Sends what is pending.
+
+        Raises:
+            OSError: the socket is gone.
+        """
+        data, self.pending = b"".join(self.pending), []
+        while data:
+            data = data[os.write(self.fd, data):]
 
     def hook(self, event: str, args: tuple) -> None:
         if self.index < 0 or self.paused or self.tainted is not None:
@@ -89,10 +99,9 @@ class _Watch:
         except BaseException:  # noqa: BLE001 - an argument whose repr raises
             detail = ""
         self.tainted = f"{event} {detail}".strip()
-        data = marker(self.index, self.tainted)
+        self.pending.append(marker(self.index, self.tainted))
         try:
-            while data:
-                data = data[os.write(self.fd, data):]
+            self.flush()  # the answers of earlier samples, then the marker: before the event's code can run
         except OSError:
             # The server is gone or the socket was closed: the event must not happen unreported.
             raise RuntimeError("rewardbox: this sample's process could not report an operation; refused") from None
@@ -101,23 +110,54 @@ class _Watch:
 _WATCH = _Watch()
 
 
+# What CPython 3.11 does not audit but could leave state for a later sample (a thread, a timer, a signal handler or
+# mask, the umask): (module, function) pairs that install() makes raise an audit event first. The sandbox's own code
+# keeps references to the originals (worker, execution).
+_UNAUDITED = (("_thread", "start_new_thread"), ("_thread", "start_new"), ("_signal", "signal"),
+              ("_signal", "setitimer"), ("_signal", "alarm"), ("_signal", "pthread_sigmask"),
+              ("_signal", "set_wakeup_fd"), ("_signal", "siginterrupt"), ("signal", "setitimer"), ("signal", "alarm"),
+              ("signal", "set_wakeup_fd"), ("signal", "siginterrupt"), ("posix", "umask"), ("os", "umask"))
+
+
+def _audited(function: Callable, event: str) -> Callable:
+    def wrapper(*args, **kwargs):
+        sys.audit(event, *args)
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
 def install() -> None:
-    """Installs the hook in this process (a slot process, before any reward code runs). CPython 3.11 audits no thread
-    start (3.13 does): starting one goes through a wrapper that raises the event first."""
+    """Installs the hook in this process (a slot process, before any reward code runs), and the wrappers that report
+    what CPython 3.11 does not audit (:data:`_UNAUDITED`; ``threading`` holds its own reference to
+    ``start_new_thread``)."""
     if _WATCH.installed:
         return
     sys.addaudithook(_WATCH.hook)
     _WATCH.installed = True
-    start = _thread.start_new_thread
-
-    def start_new_thread(function, args, kwargs=None):
-        sys.audit("_thread.start_new_thread", function, args, kwargs)
-        return start(function, args, kwargs) if kwargs is not None else start(function, args)
-
-    _thread.start_new_thread = _thread.start_new = start_new_thread
+    wrapped: dict = {}
+    for module_name, name in _UNAUDITED:
+        module = sys.modules.get(module_name) or __import__(module_name)
+        original = getattr(module, name, None)
+        if original is None:
+            continue
+        if id(original) not in wrapped:
+            wrapped[id(original)] = _audited(original, f"{module_name}.{name}")
+        setattr(module, name, wrapped[id(original)])
     threading = sys.modules.get("threading")
-    if threading is not None and getattr(threading, "_start_new_thread", None) is start:
-        threading._start_new_thread = start_new_thread
+    start = getattr(threading, "_start_new_thread", None)
+    if start is not None and id(start) in wrapped:
+        threading._start_new_thread = wrapped[id(start)]
+
+
+def queue(data: bytes) -> None:
+    """Keeps an answer to send with the next :func:`flush` (or before the next taint's marker)."""
+    _WATCH.pending.append(data)
+
+
+def flush() -> None:
+    """Sends the pending answers. Raises OSError when the socket is gone."""
+    _WATCH.flush()
 
 
 def begin(fd: int, index: int) -> None:
@@ -148,31 +188,17 @@ def paused() -> Iterator[None]:
 _CONTAINERS = (list, dict, set, bytearray, collections.deque)
 
 
-# Signals whose handler or blocking a sample could change for the next one: those the kernel sends a process on its
-# own (faults, limits, a broken pipe, timers) and the usual ones. SIGALRM is the sandbox's own timeout.
-_WATCHED_SIGNALS = tuple(getattr(signal, name) for name in (
-    "SIGVTALRM", "SIGPROF", "SIGPIPE", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGXCPU", "SIGXFSZ",
-    "SIGCHLD", "SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGIO", "SIGURG") if hasattr(signal, name))
-_TIMERS = (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF)
-
-
 class StateCheck:
-    """What a sample could have changed without any audited event (CPython 3.11 audits no thread start, timer,
-    signal handler, umask, attribute set on a class or sys.modules entry): the reward module's top-level names
+    """What the reward's own code could have changed without any audited event: the reward module's top-level names
     (rebinding one), the sizes of the containers they hold, the function's defaults and closure cells, builtins,
-    sys.modules, running threads, interval timers, signal handlers and the signal mask, and the umask.
-    Taken once per process; compared after each sample (trusted code: nothing ran that could fool it)."""
+    the number of entries in sys.modules, and threads still running. Taken once per process; compared after each sample (trusted code:
+    nothing ran that could fool it)."""
 
-    def __init__(self, fn: Callable, timeout_handler: Any = None) -> None:
+    def __init__(self, fn: Callable) -> None:
         self.namespace: dict = getattr(fn, "__globals__", None) or {}
         self.names = dict(self.namespace)
         self.builtins = dict(vars(builtins))
-        self.modules = dict(sys.modules)
-        self.umask = os.umask(0o077)
-        os.umask(self.umask)
-        self.mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())
-        self.handlers = [signal.getsignal(s) for s in _WATCHED_SIGNALS]
-        self.alarm_handlers = (signal.SIG_DFL, timeout_handler)  # SIGALRM: the sandbox's own timeout
+        self.modules = len(sys.modules)  # an import is audited; this sees an entry added or removed by hand
         self.cells = tuple(c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if _filled(c))
         self.closure = getattr(fn, "__closure__", None) or ()
         values = list(self.names.values()) + list(self.cells)
@@ -191,7 +217,7 @@ class StateCheck:
                     "the reward module's top-level names changed"
             if tuple(c.cell_contents for c in self.closure if _filled(c)) != self.cells:
                 return "the reward function's closure changed"
-            if vars(builtins) != self.builtins or sys.modules != self.modules:
+            if vars(builtins) != self.builtins or len(sys.modules) != self.modules:
                 return "builtins or sys.modules changed"
         except BaseException:  # noqa: BLE001 - a rebound value whose == raises (a numpy array) is a change too
             return "the reward module's top-level names changed"
@@ -199,17 +225,6 @@ class StateCheck:
             return "a container the reward module holds changed size"
         if _thread._count():
             return "a thread is running"
-        if any(signal.getitimer(t) != (0.0, 0.0) for t in _TIMERS):
-            return "an interval timer is set"
-        if [signal.getsignal(s) for s in _WATCHED_SIGNALS] != self.handlers or \
-                signal.getsignal(signal.SIGALRM) not in self.alarm_handlers:
-            return "a signal handler changed"
-        if signal.pthread_sigmask(signal.SIG_BLOCK, ()) != self.mask:
-            return "the signal mask changed"
-        umask = os.umask(0o077)
-        os.umask(umask)
-        if umask != self.umask:
-            return "the umask changed"
         return None
 
 

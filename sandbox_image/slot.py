@@ -461,41 +461,62 @@ def _retire_reason(outcomes: list, check: Optional[reuse.StateCheck]) -> Optiona
     return check.changed() if check is not None else "isolation: process"
 
 
+FLUSH_S = 0.002  # answers of clean samples are sent together, at least this often (and before any taint's marker)
+
+
 def _units(loaded: worker.Loaded, batch) -> list:
-    """What is scored, answered and judged for reuse one at a time: each sample, or the whole call (batch style)."""
-    if loaded.config.style == "batch":
-        return [batch]
-    return [batch.slice(i, i + 1) for i in range(len(batch))]
+    """What is scored, answered and judged for reuse one at a time: each sample (by index), or the whole call
+    (batch style)."""
+    return [batch] if loaded.config.style == "batch" else list(range(len(batch)))
+
+
+async def _score_unit(loaded: worker.Loaded, batch, unit, timeout_s: float, state) -> tuple:
+    """(outcomes, logs, dropped characters) of one unit. Never raises."""
+    try:
+        if isinstance(unit, int):
+            if not loaded.info.is_async:
+                outcome, logs, dropped = worker.score_sample(loaded, batch, unit, timeout_s, state)
+                return [outcome], logs, dropped
+            unit = batch.slice(unit, unit + 1)
+        if loaded.info.is_async:
+            return await worker.score_async(loaded, unit, timeout_s, state)
+        return worker.score(loaded, unit, timeout_s, state)
+    except BaseException:  # noqa: BLE001 - reported as these samples' error, not as a crash
+        return _internal_error(1 if isinstance(unit, int) else len(unit))
 
 
 async def _score_units(loaded: worker.Loaded, sock: socket.socket, batch, timeout_s: float, state: Optional[dict],
                        check: Optional[reuse.StateCheck]) -> bool:
-    """Scores the units of a streamed request in order, each answer sent before the next unit runs. Returns whether
-    this process may serve another request. One event loop for the request (made before any unit runs)."""
+    """Scores the units of a streamed request in order. Each answer is queued and sent at least every FLUSH_S, and
+    always before the marker of a taint (the audit hook sends them: :mod:`.reuse`), so what a clean unit answered is
+    out of this process before any code from data runs in it. Returns whether this process may serve another
+    request."""
     try:
         trainer_state = trainer_state_from_dict(state)
     except BaseException:  # noqa: BLE001
         trainer_state = None
-    for k, unit in enumerate(_units(loaded, batch)):
-        reuse.begin(sock.fileno(), k)
+    flushed = time.monotonic()
+    try:
+        for k, unit in enumerate(_units(loaded, batch)):
+            reuse.begin(sock.fileno(), k)
+            try:
+                outcomes, logs, dropped = await _score_unit(loaded, batch, unit, timeout_s, trainer_state)
+            finally:
+                tainted = reuse.end()
+            retire = tainted or _retire_reason(outcomes, check)
+            reuse.queue(codec.encode_result(outcomes, logs, dropped, loaded.config.max_log_bytes)
+                        + (reuse.marker(k, retire) if retire else reuse.CLEAN))
+            if retire:
+                return False
+            if time.monotonic() - flushed >= FLUSH_S:
+                reuse.flush()
+                flushed = time.monotonic()
+        return True
+    finally:
         try:
-            if loaded.info.is_async:
-                result = await worker.score_async(loaded, unit, timeout_s, trainer_state)
-            else:
-                result = worker.score(loaded, unit, timeout_s, trainer_state)
-        except BaseException:  # noqa: BLE001 - reported as these samples' error, not as a crash
-            result = _internal_error(len(unit))
-        finally:
-            tainted = reuse.end()
-        retire = tainted or _retire_reason(result[0], check)
-        frame = codec.encode_result(result[0], result[1], result[2], loaded.config.max_log_bytes)
-        try:
-            sock.sendall(frame + (reuse.marker(k, retire) if retire else reuse.CLEAN))
+            reuse.flush()
         except OSError:
-            return False  # the server gave up on this request (its deadline passed)
-        if retire:
-            return False
-    return True
+            pass  # the server gave up on this request (its deadline passed)
 
 
 def _handle_stream(loaded: worker.Loaded, fd: int, check: Optional[reuse.StateCheck]) -> bool:
@@ -585,7 +606,7 @@ def serve(loaded: worker.Loaded, control: socket.socket, mode: str, mark: int) -
 
         asyncio.run(_serve_async(loaded, control))
         return
-    check = reuse.StateCheck(loaded.fn, worker.timeout_handler()) if mode == "sample" else None
+    check = reuse.StateCheck(loaded.fn) if mode == "sample" else None
     while True:
         try:
             _, fds = recv(control)

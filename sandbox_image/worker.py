@@ -12,6 +12,7 @@ template preloads it): it loads ssl, which makes every fork of a template that h
 
 from __future__ import annotations
 
+import _signal
 import contextlib
 import contextvars
 import inspect
@@ -34,6 +35,8 @@ from . import reuse
 from .records import FunctionInfo, SampleBatch, WorkerConfig
 
 MAX_ERROR_CHARS = 4000
+# The sandbox's own uses, bound before a slot process wraps these to report a sample's own uses (:mod:`.reuse`).
+_signal_handler, _setitimer, _getsignal = _signal.signal, _signal.setitimer, _signal.getsignal
 
 
 class LoadError(Exception):
@@ -56,10 +59,6 @@ class Loaded:
 def _on_alarm(signum, frame):
     raise _SampleTimeout()
 
-
-def timeout_handler() -> Callable:
-    """The SIGALRM handler a sync function's calls run under (so a state check can tell it from a sample's own)."""
-    return _on_alarm
 
 
 def _user_line(exc: BaseException, filename: str) -> str:
@@ -287,19 +286,25 @@ def _batch_outcomes(result: Any, n: int) -> list:
     return [_guarded(lambda v=v: _check(v)) for v in values]
 
 
+def _timed(call: Callable[[], Any], timeout_s: float) -> tuple:
+    """(what ``call`` returned, None), or (None, the Outcome of its timeout or exception)."""
+    try:
+        if _getsignal(signal.SIGALRM) is not _on_alarm:  # the user's code may have installed its own
+            _signal_handler(signal.SIGALRM, _on_alarm)
+        _setitimer(signal.ITIMER_REAL, timeout_s)
+        try:
+            return call(), None
+        finally:
+            _setitimer(signal.ITIMER_REAL, 0)
+    except _SampleTimeout:
+        return None, _timeout(timeout_s)
+    except BaseException as e:  # noqa: BLE001 - user code may raise anything, SystemExit included
+        return None, _error(e)
+
+
 def _run_sync(loaded: Loaded, batch: SampleBatch, timeout_s: float, state: Optional[TrainerState]) -> list:
     def timed(call: Callable[[], Any]) -> tuple:
-        try:
-            signal.signal(signal.SIGALRM, _on_alarm)  # the user's code may have installed its own
-            signal.setitimer(signal.ITIMER_REAL, timeout_s)
-            try:
-                return call(), None
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-        except _SampleTimeout:
-            return None, _timeout(timeout_s)
-        except BaseException as e:  # noqa: BLE001 - user code may raise anything, SystemExit included
-            return None, _error(e)
+        return _timed(call, timeout_s)
 
     if loaded.config.style == "batch":
         value, failed = timed(lambda: loaded.fn(**_batch_kwargs(loaded, batch, state)))
@@ -381,6 +386,19 @@ def _captured(limit: int):
         yield sink
     finally:
         _SINK.reset(token)
+
+
+def score_sample(loaded: Loaded, batch: SampleBatch, i: int, timeout_s: float, state: Optional[TrainerState]) -> tuple:
+    """Scores sample ``i`` of a batch with a sync sample-style function. Returns (outcome, logs, dropped
+    characters): the same as :func:`score` of that sample alone, without making a one-sample batch."""
+    sink = _BoundedWriter(loaded.config.max_log_bytes)
+    token = _SINK.set(sink)
+    try:
+        value, failed = _timed(lambda: _sample_call(loaded, batch, i, state), timeout_s)
+        outcome = failed or _guarded(lambda: _check(value))
+    finally:
+        _SINK.reset(token)
+    return outcome, sink.text(), sink.dropped
 
 
 def score(loaded: Loaded, batch: SampleBatch, timeout_s: float, state: Optional[TrainerState]) -> tuple:

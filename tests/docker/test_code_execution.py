@@ -182,8 +182,15 @@ print("written outside:", tried)
 '''
 LOOK = r'''
 import os
-mine = [p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()
-        and f"\nUid:\t{os.getuid()}\t" in open(f"/proc/{p}/status").read()]
+def status(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return f.read()
+    except OSError:  # it exited after the listing (another uid's process, most often): gone, so not left behind
+        return ""
+# live processes of this uid: a zombie holds nothing and is only waiting for its subreaper
+mine = [p for p, s in ((p, status(p)) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid())
+        if f"\nUid:\t{os.getuid()}\t" in s and "\nState:\tZ" not in s]
 outside = [p for p in ("/tmp/planted", "/var/tmp/planted", "/dev/shm/planted", "/run/planted", "/opt/planted")
            if os.path.exists(p)]
 print(sorted(os.listdir(".")), mine, outside)

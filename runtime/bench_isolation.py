@@ -1,0 +1,175 @@
+"""``rewardbox bench`` part (h): ``isolation: sample`` at real GRPO batch sizes (1,024 and 4,096 completions).
+
+- a pure reward (a regex): ``isolation: sample`` (processes reused while nothing could leave state behind) versus
+  ``isolation: worker``, wall time per batch and the container's CPU seconds per 1,000 samples;
+- a reward that ``exec``s each completion (so every sample needs a fresh process): ``isolation: sample`` and
+  ``isolation: process``, CPU per sample beside the fork floor measured in the same image in the same run (a bare
+  ``python3`` forking, exiting and being waited for; and the same with the sandbox's template modules imported);
+- a CPU-bound reward (~5 ms a sample): samples per second, sample versus worker.
+
+CPU time is the container's (its cgroup's ``cpuacct`` counter, read through the engine), so the server, the
+template, the slot processes and their forks are all counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import textwrap
+import time
+from pathlib import Path
+from typing import Callable
+
+from .samples import build_samples
+from .session import RewardSandboxes
+
+REWARDS = textwrap.dedent(
+    """
+    import re
+    import time
+
+    PATTERN = re.compile(r"^<think>.*?</think>\\s*<answer>.*?</answer>$", re.DOTALL)
+
+    def regex(prompt, completion, example):
+        return 1.0 if PATTERN.match(completion) else 0.0
+
+    def run_it(prompt, completion, example):
+        namespace = {}
+        exec(completion, namespace)
+        return float(namespace.get("score", 0.0))
+
+    def cpu_bound(prompt, completion, example):
+        end = time.perf_counter() + 0.005
+        x = 0
+        while time.perf_counter() < end:
+            x += 1
+        return 1.0
+    """
+)
+
+FLOOR = textwrap.dedent(
+    """
+    import os, resource, sys
+    if sys.argv[1:]:
+        from rewardbox.sandbox import template, slot, worker, execution  # what a template holds
+    def cpu():
+        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+    start = cpu()
+    for _ in range(500):
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+    print((cpu() - start) / 500)
+    """
+)
+BATCHES = 5
+
+
+def _container_cpu_s(client) -> float:
+    """CPU seconds used so far by the running rewardbox containers (the bench runs one sandbox at a time)."""
+    total = 0
+    for container in client.containers.list(filters={"label": "rewardbox"}, ignore_removed=True):
+        total += container.stats(stream=False, one_shot=True)["cpu_stats"]["cpu_usage"]["total_usage"]
+    return total / 1e9
+
+
+def _measure(client, config, backend, name: str, completions: list, batches: int = BATCHES) -> tuple[float, float]:
+    """(median wall seconds per batch, container CPU seconds per 1,000 samples) after a warm-up batch."""
+    samples = build_samples(["p"] * len(completions), completions, {})
+    with RewardSandboxes(config, backend=backend) as sandboxes:
+        client_ = sandboxes[name].client
+
+        async def run() -> tuple[float, float]:
+            report = await client_.score(samples)  # warm-up
+            assert all(s.value == "ok" for s in report.statuses), report.errors[:3]
+            walls = []
+            cpu0 = _container_cpu_s(client)
+            for _ in range(batches):
+                t0 = time.perf_counter()
+                await client_.score(samples)
+                walls.append(time.perf_counter() - t0)
+            cpu = _container_cpu_s(client) - cpu0
+            return statistics.median(walls), cpu / (batches * len(completions)) * 1000
+
+        return asyncio.run(run())
+
+
+def _fork_floor(client, image: str) -> tuple[float, float]:
+    """(bare python3, python3 holding the template's modules): CPU seconds per fork+exit+wait, in ``image``."""
+    floors = []
+    for extra in ([], ["template"]):
+        out = client.containers.run(image, ["python3", "-c", FLOOR, *extra], entrypoint=[], remove=True,
+                                    network_mode="none", user="65534")
+        floors.append(float(out.decode().strip().splitlines()[-1]))
+    return floors[0], floors[1]
+
+
+def isolation_figures(client, directory: Path, base_image: str, make_config: Callable, make_backend: Callable,
+                      progress: Callable[[str], None], figure: Callable) -> list:
+    """Part (h). ``make_config(directory, base_image, rewards)`` and ``make_backend(config, client)`` are the bench's
+    own; ``figure(name, value, target, met)`` makes one of its figures."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "bench_rewards.py").write_text(REWARDS)
+    figures = []
+
+    def config_for(function: str, isolation: str, **extra):
+        return make_config(directory, base_image, [{"name": f"{function}_{isolation}", "function": function,
+                                                     "workers": 2, "cpus": 2, "isolation": isolation,
+                                                     "memory": "2g", "timeout_s": 30, **extra}])
+
+    for n in (1024, 4096):
+        completions = [f"<think>{i}</think><answer>{i}</answer>" if i % 2 else f"no tags {i}" for i in range(n)]
+        measured = {}
+        for isolation in ("worker", "sample"):
+            progress(f"(h) regex reward, {n} completions, isolation: {isolation}")
+            config = config_for("regex", isolation)
+            measured[isolation] = _measure(client, config, make_backend(config, client), f"regex_{isolation}",
+                                           completions)
+        (w_wall, w_cpu), (s_wall, s_cpu) = measured["worker"], measured["sample"]
+        ratio = s_wall / w_wall
+        figures += [
+            figure(f"regex reward, {n} completions, isolation: worker (median of {BATCHES})",
+                   f"{w_wall * 1000:.1f} ms, {w_cpu:.3f} CPU s/1k", "-", None),
+            figure(f"regex reward, {n} completions, isolation: sample (median of {BATCHES})",
+                   f"{s_wall * 1000:.1f} ms, {s_cpu:.3f} CPU s/1k", "-", None),
+            figure(f"regex reward, {n} completions: sample / worker (wall)", f"{ratio:.2f}x", "<= 1.5x",
+                   ratio <= 1.5),
+        ]
+
+    completions = [f"score = {i % 7} / 7" for i in range(1024)]
+    per_sample = {}
+    for isolation in ("sample", "process"):
+        progress(f"(h) exec reward, 1024 completions, isolation: {isolation}")
+        config = config_for("run_it", isolation)
+        wall, cpu = _measure(client, config, make_backend(config, client), f"run_it_{isolation}", completions, 3)
+        per_sample[isolation] = cpu / 1000
+        figures.append(figure(f"exec reward, 1024 completions, isolation: {isolation} (median of 3)",
+                              f"{wall * 1000:.0f} ms, {cpu:.2f} CPU s/1k", "-", None))
+    progress("(h) fork floor in the sandbox image")
+    backend = make_backend(config, client)
+    (image, _), = backend.builder.ensure_images(config.rewards, backend.settings).values()
+    if image:
+        bare, template = _fork_floor(client, image)
+        ratio = per_sample["sample"] / bare
+        figures += [
+            figure("fork floor: bare python3 fork+exit+wait, CPU per fork (same image)", f"{bare * 1000:.2f} ms",
+                   "-", None),
+            figure("fork floor: python3 holding the template's modules, CPU per fork", f"{template * 1000:.2f} ms",
+                   "-", None),
+            figure("exec reward, isolation: sample, CPU per sample / bare fork floor", f"{ratio:.1f}x", "<= 2x",
+                   ratio <= 2.0),
+        ]
+
+    rates = {}
+    batch = ["c"] * 1024
+    for isolation in ("worker", "sample"):
+        progress(f"(h) CPU-bound reward, 1024 completions, isolation: {isolation}")
+        config = config_for("cpu_bound", isolation)
+        wall, _ = _measure(client, config, make_backend(config, client), f"cpu_bound_{isolation}", batch, 2)
+        rates[isolation] = len(batch) / wall
+    ratio = rates["sample"] / rates["worker"]
+    figures.append(figure("CPU-bound (5 ms/sample), 1024 completions: samples/s, sample vs worker",
+                          f"{rates['sample']:.0f} vs {rates['worker']:.0f} ({ratio:.0%})", ">= 90%", ratio >= 0.9))
+    return figures
