@@ -250,13 +250,18 @@ class FunctionPool:
         outcomes: list = [None] * len(batch)  # per sample: a one-sample ChunkResult or an Outcome
         pending = collections.deque(range(len(batch)))
         replaced = 0
+        idle = min(self._runners, len(batch))  # this call's request loops not waiting on a request
 
         async def run_requests() -> None:
-            nonlocal replaced
+            nonlocal replaced, idle
             while pending:
-                size = self._chunk_size(len(pending))
+                size = self._chunk_size(len(pending), idle)
                 taken = [pending.popleft() for _ in range(min(size, len(pending)))]
-                streamed = await self._request_streamed(batch.take(taken), timeout_s, state)
+                idle -= 1
+                try:
+                    streamed = await self._request_streamed(batch.take(taken), timeout_s, state)
+                finally:
+                    idle += 1
                 for k, answer in enumerate(streamed.answered):
                     outcomes[taken[k]] = answer
                 settled = len(streamed.answered)
@@ -269,7 +274,8 @@ class FunctionPool:
                     else min(MAX_CHUNK, self._chunk_cap * 2)
 
         while pending:
-            await asyncio.gather(*(run_requests() for _ in range(min(self._runners, len(pending)))))
+            idle = min(self._runners, len(pending))
+            await asyncio.gather(*(run_requests() for _ in range(idle)))
         result = BatchResult(workers_replaced=replaced)
         for outcome in outcomes:
             if isinstance(outcome, ChunkResult):
@@ -278,10 +284,12 @@ class FunctionPool:
                 result.add_failed(outcome)
         return result
 
-    def _chunk_size(self, pending: int) -> int:
-        """Samples for the next request: an even share of what is left, up to the cap (a reward that taints its
-        process gets one sample per request, so no request carries samples that would only be sent back)."""
-        return max(1, min(self._chunk_cap, -(-pending // self._runners)))
+    def _chunk_size(self, pending: int, idle: int) -> int:
+        """Samples for the next request: an even share of what is left among the request loops free to take some
+        (one request each, in the order they queued for the gate: a call's samples are not spread thin over requests
+        that queue behind other calls'), up to the cap (a reward that taints its process gets one sample per
+        request, so no request carries samples that would only be sent back)."""
+        return max(1, min(self._chunk_cap, -(-pending // max(1, idle))))
 
     async def _score_part(self, part: SampleBatch, timeout_s: float, state: Optional[dict]) -> BatchResult:
         result = BatchResult()
