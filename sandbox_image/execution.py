@@ -23,10 +23,13 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence, Union
 
 from . import runner as runner_module
 from .languages import LANGUAGES, lookup
+
+if TYPE_CHECKING:
+    import subprocess
 
 _sigmask = _signal.pthread_sigmask  # not the one a slot process wraps to report a sample's own uses (.reuse)
 STATUSES = ("ok", "runtime_error", "timeout", "memory", "compile_error", "output_limit")
@@ -90,7 +93,7 @@ class RunnerUnavailable(RuntimeError):
 class _Channel:
     """The way to this process's runner: the socket the sandbox gave this slot process, else a helper process."""
 
-    def __init__(self, sock: socket.socket, process: Optional["subprocess.Popen"] = None):
+    def __init__(self, sock: socket.socket, process: Optional[subprocess.Popen] = None):
         self.sock = sock
         self.process = process
         self.lock = _thread.allocate_lock()  # one request at a time per socket

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from . import languages, seccomp
-from . import slot as slots
+from . import processes
 
 _LENGTH = struct.Struct("<Q")
 MAX_REQUEST = 256 * 1024 * 1024
@@ -268,7 +268,7 @@ class Monitor:
         ``reaper``: with a real uid no program has, so none of them can signal this process meanwhile."""
         uid = self.slot.uid
         os.setresgid(-1, uid, -1)
-        os.setresuid(uid | slots.REAPER_UID_BIT if reaper else -1, uid, 0)
+        os.setresuid(uid | processes.REAPER_UID_BIT if reaper else -1, uid, 0)
 
     def _as_root(self) -> None:
         os.setresuid(0, 0, 0)
@@ -280,11 +280,11 @@ class Monitor:
         self._kill_tree()
         if self.slot.uid is None:
             os.makedirs(self.slot.directory, mode=0o700, exist_ok=True)
-            slots.empty(self.slot.directory)
+            processes.empty(self.slot.directory)
             return
         self._as_run_uid()
         try:
-            slots.empty(self.slot.directory)
+            processes.empty(self.slot.directory)
             if os.path.isdir("/dev/shm"):  # only under isolation: worker (no /dev/shm otherwise)
                 for name in os.listdir("/dev/shm"):
                     path = os.path.join("/dev/shm", name)
@@ -307,7 +307,7 @@ class Monitor:
             return
         self._as_run_uid(reaper=True)
         try:
-            slots.kill_uid(self.slot.uid, atomic=self.slot.atomic_kill)
+            processes.kill_uid(self.slot.uid, atomic=self.slot.atomic_kill)
         finally:
             self._as_root()
 
@@ -520,7 +520,7 @@ class Monitor:
                 os.close(fd)
             if pending:  # stdin was not written to its end
                 os.close(in_w)
-            for _ in slots.exited_children():  # every descendant: this process is their subreaper
+            for _ in processes.exited_children():  # every descendant: this process is their subreaper
                 pass
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
@@ -550,7 +550,7 @@ class Monitor:
         (pages shared after a fork count once per process), else their resident set where the kernel does not
         tell those apart (gVisor)."""
         total = 0
-        for _, status in slots.statuses_of(self.slot.uid):
+        for _, status in processes.statuses_of(self.slot.uid):
             fields = dict(line.split(b":", 1) for line in status.split(b"\n") if b":" in line)
             keys = (b"RssAnon", b"RssShmem") if b"RssAnon" in fields else (b"VmRSS",)
             total += sum(int(fields[k].split()[0]) for k in keys if k in fields) * 1024
@@ -687,7 +687,7 @@ def _start_monitor(slot: RunSlot, sock: socket.socket, keep: tuple = ()) -> int:
         try:
             # Not SIGKILL: a monitor that loses its runner (the template closed) still kills its program first.
             signal.signal(signal.SIGTERM, _runner_gone)
-            slots.die_with_parent(signal.SIGTERM)
+            processes.die_with_parent(signal.SIGTERM)
             for fd in keep:
                 os.close(fd)
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
@@ -709,7 +709,7 @@ class Runner:
         self.selector = selectors.DefaultSelector()
 
     def run(self) -> None:
-        wake_r = slots.sigchld_wakeup()
+        wake_r = processes.sigchld_wakeup()
         self.selector.register(wake_r, selectors.EVENT_READ, "wake")
         self.selector.register(self.control, selectors.EVENT_READ, "control")
         while True:
@@ -760,7 +760,7 @@ class Runner:
         self.busy[pid] = index
 
     def _reap(self) -> None:
-        for pid, _ in slots.exited_children():
+        for pid, _ in processes.exited_children():
             index = self.busy.pop(pid, None)
             if index is not None and index in self.sockets:  # the slot's next process waited for this one
                 self.selector.register(self.sockets[index], selectors.EVENT_READ, index)
@@ -778,7 +778,7 @@ def start(slot_map: dict) -> tuple:
         os.closerange(keep + 1, 65536)
         Runner(runner_end, slot_map).run()  # if it raises, the template sees the socket close: run() calls fail
 
-    pid = slots.fork_child(serve)
+    pid = processes.fork_child(serve)
     runner_end.close()
     return pid, template_end
 
@@ -788,7 +788,7 @@ def main(argv: Optional[list] = None) -> int:
     backend), in a temporary directory, as the caller's own user."""
     fd = int((argv if argv is not None else sys.argv[1:])[0])
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    slots.die_with_parent()
+    processes.die_with_parent()
     import tempfile  # here: it loads random, whose reseeding would run after every fork of a template
 
     with tempfile.TemporaryDirectory(prefix="rbx-run-") as directory:

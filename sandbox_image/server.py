@@ -33,13 +33,13 @@ from ..wire import (
     DEFAULT_WORKERS,
     GRPC_OPTIONS,
     SERVICE_NAME,
+    VERSION,
     Status,
     sandbox_slots,
     trainer_state_from_wire,
 )
 from ..wire.pb import reward_pb2 as pb
 from ..wire.pb import reward_pb2_grpc as pb_grpc
-from . import __version__
 from .channel import recv, send
 from .pools import FunctionPool, LoadError, PoolUnavailable
 from .records import SampleBatch, WorkerConfig
@@ -236,7 +236,7 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
     async def Describe(self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext) -> pb.DescribeResponse:
         packages = sorted(f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions() if d.metadata["Name"])
         return pb.DescribeResponse(
-            server_version=__version__,
+            server_version=VERSION,
             python_version=platform.python_version(),
             platform=f"{sys.platform}-{platform.machine()}",
             functions=[_info(fp) for fp in self.functions.values()],
@@ -273,7 +273,7 @@ async def serve(listen: str, supervisor: Supervisor, parent_pid: Optional[int] =
         os.umask(old_umask)
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    log.info("rewardbox sandbox %s serving on %s", __version__, listen)
+    log.info("rewardbox sandbox %s serving on %s", VERSION, listen)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

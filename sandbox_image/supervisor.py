@@ -25,7 +25,8 @@ from typing import Optional
 from . import template
 from .channel import ChannelClosed, pair, recv, send
 from .records import WorkerConfig
-from .slot import SlotSpec, exited_children, fork_child, sigchld_wakeup
+from .processes import exited_children, fork_child, sigchld_wakeup
+from .slot import SlotSpec
 
 SLOT_DIR_PREFIX = "/tmp/slot-"  # docker backend: one tmpfs per slot uid, mode 0700, owned by that uid
 

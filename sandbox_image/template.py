@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from . import runner as runner_module
-from . import seccomp, slot as slots
+from . import processes, seccomp, slot as slots
 from . import worker
 from .channel import ChannelClosed, optional_fd, pair, recv, send
 from .records import WorkerConfig
@@ -83,7 +83,7 @@ class Template:
 
     def run(self) -> None:
         if any(s.spec.uid is not None for s in self.slots):
-            slots.become_subreaper()  # what slot processes leave behind becomes our child: see _no_strangers
+            processes.become_subreaper()  # what slot processes leave behind becomes our child: see _no_strangers
         self._start_runner()
         from . import execution  # here: execution imports the slot module, which imports this one's dependencies
 
@@ -105,7 +105,7 @@ class Template:
         if any(s.spec.uid is not None for s in self.slots):
             seccomp.prepare()
         gc.freeze()  # the module's objects stay shared with every fork instead of being copied on first touch
-        wake_r = slots.sigchld_wakeup()
+        wake_r = processes.sigchld_wakeup()
         self.selector.register(wake_r, selectors.EVENT_READ, "wake")
         self.selector.register(self.server, selectors.EVENT_READ, "server")
         for s in self.slots:
@@ -155,7 +155,7 @@ class Template:
         whatever an earlier holder of the uid left): when one dies, its orphans become our children (we are their
         subreaper), and no process can leave that tree (ptrace is refused to samples). So with no stranger among
         our children, a uid whose last process we reaped has no process left anywhere."""
-        found = slots.children()
+        found = processes.children()
         return found is not None and found <= {s.pid for s in self.slots if s.pid} | {self.runner_pid}
 
     def _spawn(self, s: _Slot) -> None:
@@ -204,7 +204,7 @@ class Template:
             s.last_failure = message[1:].decode("utf-8", "replace")
 
     def _reap(self) -> None:
-        for pid, status in slots.exited_children():
+        for pid, status in processes.exited_children():
             s = next((s for s in self.slots if s.pid == pid), None)
             if s is not None:
                 self._ended(s, status)
