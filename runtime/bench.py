@@ -177,7 +177,7 @@ def run_bench(base_image: str, iterations: int = 200, progress: Callable[[str], 
             from .bench_isolation import isolation_figures
 
             figures.extend(isolation_figures(client, directory / "h", base_image, _config, _backend, progress,
-                                             Figure))
+                                             Figure, REWARDS))
     return figures
 
 

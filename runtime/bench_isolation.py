@@ -23,10 +23,10 @@ from typing import Callable
 from .samples import build_samples
 from .session import RewardSandboxes
 
+# Beside the bench's own rewards (its cpu_bound among them), in the same file.
 REWARDS = textwrap.dedent(
     """
     import re
-    import time
 
     PATTERN = re.compile(r"^<think>.*?</think>\\s*<answer>.*?</answer>$", re.DOTALL)
 
@@ -37,13 +37,6 @@ REWARDS = textwrap.dedent(
         namespace = {}
         exec(completion, namespace)
         return float(namespace.get("score", 0.0))
-
-    def cpu_bound(prompt, completion, example):
-        end = time.perf_counter() + 0.005
-        x = 0
-        while time.perf_counter() < end:
-            x += 1
-        return 1.0
     """
 )
 
@@ -107,11 +100,12 @@ def _fork_floor(client, image: str) -> tuple[float, float]:
 
 
 def isolation_figures(client, directory: Path, base_image: str, make_config: Callable, make_backend: Callable,
-                      progress: Callable[[str], None], figure: Callable) -> list:
+                      progress: Callable[[str], None], figure: Callable, bench_rewards: str) -> list:
     """Part (h). ``make_config(directory, base_image, rewards)`` and ``make_backend(config, client)`` are the bench's
-    own; ``figure(name, value, target, met)`` makes one of its figures."""
+    own; ``figure(name, value, target, met)`` makes one of its figures; ``bench_rewards`` is the source of its
+    rewards (``cpu_bound`` among them), which part (h)'s are added to."""
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "bench_rewards.py").write_text(REWARDS)
+    (directory / "bench_rewards.py").write_text(bench_rewards + REWARDS)
     figures = []
 
     def config_for(function: str, isolation: str, **extra):
