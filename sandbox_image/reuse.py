@@ -77,15 +77,27 @@ class _Watch:
         self.paused = 0
         self.tainted: Optional[str] = None
         self.installed = False
-        self.pending: list = []  # answers of the request not sent yet: written by trusted code, sent before any taint
+        # (answer, trailer) of the request's units not sent yet: written by trusted code, sent before any taint
+        self.pending: list = []
+        self.first_pending = 0  # the unit of the first of them
+        self.check: Optional[StateCheck] = None
+        self.withdrawn: Optional[str] = None
 
-    def flush(self) -> None:
-        """Sends what is pending.
+    def flush(self, then: bytes = b"", checked: bool = False) -> None:
+        """Sends what is pending, then ``then``. Before that, while the process is clean, the state check runs. The
+        first pending unit started from a checked state; the others may have seen what it (or another) changed. So on
+        a change only the first unit's answer is sent, with a retiring trailer, the others' are withdrawn (scored
+        elsewhere), and the process retires.
 
         Raises:
             OSError: the socket is gone.
         """
-        data, self.pending = b"".join(self.pending), []
+        if self.pending and self.check is not None and self.withdrawn is None and (checked or self.tainted is None):
+            why = self.check.changed()
+            if why is not None:
+                self.withdrawn = why
+                self.pending, then = [(self.pending[0][0], marker(self.first_pending, why))], b""
+        data, self.pending = b"".join(answer + trailer for answer, trailer in self.pending) + then, []
         while data:
             data = data[os.write(self.fd, data):]
 
@@ -98,10 +110,10 @@ class _Watch:
             detail = repr(args[0])[:60] if args else ""
         except BaseException:  # noqa: BLE001 - an argument whose repr raises
             detail = ""
-        self.tainted = f"{event} {detail}".strip()
-        self.pending.append(marker(self.index, self.tainted))
+        self.tainted = f"{event} {detail}".strip()  # first: the check below may raise events of its own
         try:
-            self.flush()  # the answers of earlier samples, then the marker: before the event's code can run
+            # the answers of earlier samples (checked), then the marker: before the event's code can run
+            self.flush(then=marker(self.index, self.tainted), checked=True)
         except OSError:
             # The server is gone or the socket was closed: the event must not happen unreported.
             raise RuntimeError("rewardbox: this sample's process could not report an operation; refused") from None
@@ -150,14 +162,24 @@ def install() -> None:
         threading._start_new_thread = wrapped[id(start)]
 
 
-def queue(data: bytes) -> None:
-    """Keeps an answer to send with the next :func:`flush` (or before the next taint's marker)."""
-    _WATCH.pending.append(data)
+def watch_state(check: Optional["StateCheck"]) -> None:
+    """The state check that runs before answers are sent (None: no reuse, nothing to check)."""
+    _WATCH.check = check
 
 
-def flush() -> None:
-    """Sends the pending answers. Raises OSError when the socket is gone."""
+def queue(index: int, answer: bytes, trailer: bytes) -> None:
+    """Keeps unit ``index``'s answer and trailer to send with the next :func:`flush` (or before the next taint's
+    marker)."""
+    if not _WATCH.pending:
+        _WATCH.first_pending = index
+    _WATCH.pending.append((answer, trailer))
+
+
+def flush() -> Optional[str]:
+    """Sends the pending answers (see _Watch.flush). Returns why they were withdrawn, if they were (the process must
+    then retire). Raises OSError when the socket is gone."""
     _WATCH.flush()
+    return _WATCH.withdrawn
 
 
 def begin(fd: int, index: int) -> None:

@@ -180,14 +180,17 @@ def _handle(loaded: worker.Loaded, fd: int) -> None:
 _RETIRING_ERRORS = ("MemoryError", "RecursionError")
 
 
-def _retire_reason(outcomes: list, check: Optional[reuse.StateCheck]) -> Optional[str]:
-    """Why this process must not serve another sample although nothing tainted it (None: it may)."""
+def _retire_reason(outcomes: list, reusable: bool) -> Optional[str]:
+    """Why this process must not serve another sample, from how a unit ended, although nothing tainted it (None: it
+    may; what the unit changed is checked when its answer is sent: :func:`reuse.flush`)."""
+    if not reusable:
+        return "isolation: process"
     for o in outcomes:
         if o.status is Status.TIMEOUT:
             return "a call was interrupted at its timeout"
         if o.status is Status.ERROR and o.error and o.error.rstrip().rsplit("\n", 1)[-1].startswith(_RETIRING_ERRORS):
             return "a call ran out of memory or recursion depth"
-    return check.changed() if check is not None else "isolation: process"
+    return None
 
 
 FLUSH_S = 0.002  # answers of clean samples are sent together, at least this often (and before any taint's marker)
@@ -215,11 +218,11 @@ async def _score_unit(loaded: worker.Loaded, batch, unit, timeout_s: float, stat
 
 
 async def _score_units(loaded: worker.Loaded, sock: socket.socket, batch, timeout_s: float, state: Optional[dict],
-                       check: Optional[reuse.StateCheck]) -> bool:
+                       reusable: bool) -> bool:
     """Scores the units of a streamed request in order. Each answer is queued and sent at least every FLUSH_S, and
     always before the marker of a taint (the audit hook sends them: :mod:`.reuse`), so what a clean unit answered is
-    out of this process before any code from data runs in it. Returns whether this process may serve another
-    request."""
+    out of this process before any code from data runs in it; the state check runs before each sending. Returns
+    whether this process may serve another request."""
     try:
         trainer_state = trainer_state_from_dict(state)
     except BaseException:  # noqa: BLE001
@@ -232,31 +235,34 @@ async def _score_units(loaded: worker.Loaded, sock: socket.socket, batch, timeou
                 outcomes, logs, dropped = await _score_unit(loaded, batch, unit, timeout_s, trainer_state)
             finally:
                 tainted = reuse.end()
-            retire = tainted or _retire_reason(outcomes, check)
-            reuse.queue(codec.encode_result(outcomes, logs, dropped, loaded.config.max_log_bytes)
-                        + (reuse.marker(k, retire) if retire else reuse.CLEAN))
+            retire = tainted or _retire_reason(outcomes, reusable)
+            reuse.queue(k, codec.encode_result(outcomes, logs, dropped, loaded.config.max_log_bytes),
+                        reuse.marker(k, retire) if retire else reuse.CLEAN)
             if retire:
                 return False
             if time.monotonic() - flushed >= FLUSH_S:
-                reuse.flush()
+                if reuse.flush() is not None:
+                    return False
                 flushed = time.monotonic()
-        return True
+        return reuse.flush() is None
+    except OSError:
+        return False  # the server gave up on this request (its deadline passed)
     finally:
         try:
             reuse.flush()
         except OSError:
-            pass  # the server gave up on this request (its deadline passed)
+            pass
 
 
-def _handle_stream(loaded: worker.Loaded, fd: int, check: Optional[reuse.StateCheck]) -> bool:
-    """isolation: sample (``check`` set) and process: a streamed answer, unit by unit (:mod:`.codec`). Returns
+def _handle_stream(loaded: worker.Loaded, fd: int, reusable: bool) -> bool:
+    """isolation: sample (``reusable``) and process: a streamed answer, unit by unit (:mod:`.codec`). Returns
     whether this process may serve another request."""
     sock = socket.socket(fileno=fd)
     sock.setblocking(True)
     try:
         sock.sendall(codec.STARTED)
         batch, timeout_s, state = codec.decode_request(_read_request(sock))
-        units = _score_units(loaded, sock, batch, timeout_s, state, check)
+        units = _score_units(loaded, sock, batch, timeout_s, state, reusable)
         if not loaded.info.is_async:
             return _run_coroutine(units)
         import asyncio  # preloaded by the template of an async function (see worker)
@@ -335,7 +341,8 @@ def serve(loaded: worker.Loaded, control: socket.socket, mode: str, mark: int) -
 
         asyncio.run(_serve_async(loaded, control))
         return
-    check = reuse.StateCheck(loaded.fn) if mode == "sample" else None
+    if mode == "sample":
+        reuse.watch_state(reuse.StateCheck(loaded.fn))
     while True:
         try:
             _, fds = recv(control)
@@ -349,7 +356,7 @@ def serve(loaded: worker.Loaded, control: socket.socket, mode: str, mark: int) -
             continue
         if mode == "process":
             control.close()  # reward code never holds a channel to the template
-        if not _handle_stream(loaded, fd, check) or mode == "process":
+        if not _handle_stream(loaded, fd, mode == "sample") or mode == "process":
             return
 
 
