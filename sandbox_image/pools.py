@@ -69,14 +69,6 @@ class _Reader:
     def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop):
         self.sock, self.loop, self.buffer, self.pos = sock, loop, bytearray(), 0
 
-    def buffered_frame(self, samples: int) -> Optional[bytes]:
-        """The whole answer at the read position when it has all arrived, else None (its lengths are only checked by
-        the decoder: a declared length past what arrived is waited for piece by piece, checked first)."""
-        length = codec.answer_length(self.buffer, samples, self.pos)
-        if length is None or len(self.buffer) - self.pos < length:
-            return None
-        return self.take(length)
-
     def take(self, n: int) -> bytes:
         data = bytes(self.buffer[self.pos:self.pos + n])
         self.pos += n
@@ -411,16 +403,10 @@ class FunctionPool:
         answered before a marker are kept; a unit whose call tainted its process keeps its own answer; the unit
         running when the process died, hung or broke the format gets that status; the rest are left unscored."""
         loop = asyncio.get_running_loop()
-        ours.setblocking(False)
-        await loop.sock_sendall(ours, codec.encode_request(batch, timeout_s, state))
-        ours.shutdown(socket.SHUT_WR)
         streamed = _Streamed()
         tainted = False
-        first = await self._read_start(ours)
-        if first is None:
-            if self.dead is not None:
-                raise PoolUnavailable(f"reward {self.name!r}: {self.dead}")
-            streamed.failed = await self._died(request)
+        streamed.failed = await self._begin(ours, request, batch, timeout_s, state)
+        if streamed.failed is not None:
             return streamed
         units = len(batch) if units is None else units
         per_unit = len(batch) // units
@@ -457,12 +443,7 @@ class FunctionPool:
                 reader.take(1)
                 k += 1
         except asyncio.TimeoutError:
-            try:
-                send(self.sock, {"op": "kill", "req": request})
-            except OSError:
-                pass
-            streamed.failed = Outcome.failed(Status.TIMEOUT, f"exceeded timeout_s={timeout_s:g}; the worker was "
-                                                             "killed")
+            streamed.failed = self._kill(request, timeout_s)
         except _Ended:
             streamed.failed = await self._died(request)
         except codec.MalformedResult as e:
@@ -476,11 +457,8 @@ class FunctionPool:
         return streamed
 
     async def _frame(self, reader: "_Reader", samples: int, deadline_s: float) -> ChunkResult:
-        """One unit's answer, by ``deadline_s`` (the loop's clock): at once when it has all arrived, else piece by
-        piece, each length checked before it is waited for."""
-        whole = reader.buffered_frame(samples)
-        if whole is not None:
-            return codec.decode_result(whole, samples, self.config.max_log_bytes)
+        """One unit's answer, by ``deadline_s`` (the loop's clock), piece by piece, each length checked before it is
+        waited for (clean units that arrived whole are parsed at once by codec.decode_clean_units)."""
         header = await reader.exactly(codec.HEADER_SIZE, deadline_s)
         count, log_length = codec.frame_header(header, samples, self.config.max_log_bytes)
         parts = [header]
@@ -506,32 +484,47 @@ class FunctionPool:
 
     async def _exchange(self, ours: socket.socket, request: int, batch: SampleBatch, timeout_s: float,
                         state: Optional[dict]):
-        loop = asyncio.get_running_loop()
-        ours.setblocking(False)
-        await loop.sock_sendall(ours, codec.encode_request(batch, timeout_s, state))
-        ours.shutdown(socket.SHUT_WR)
-        # Waiting for a free slot has no deadline of its own: the RPC's deadline covers it.
-        first = await self._read_start(ours)
-        if first is None:
-            if self.dead is not None:
-                raise PoolUnavailable(f"reward {self.name!r}: {self.dead}")
-            return None, await self._died(request)
+        never_started = await self._begin(ours, request, batch, timeout_s, state)
+        if never_started is not None:
+            return None, never_started
         limit = codec.result_limit(len(batch), self.config.max_log_bytes)
         try:
             data = await asyncio.wait_for(self._read_answer(ours, len(batch), limit + 1),
                                           self._hard_timeout(len(batch), timeout_s))
         except asyncio.TimeoutError:
-            try:
-                send(self.sock, {"op": "kill", "req": request})
-            except OSError:
-                pass
-            return None, Outcome.failed(Status.TIMEOUT, f"exceeded timeout_s={timeout_s:g}; the worker was killed")
+            return None, self._kill(request, timeout_s)
         if not data:
             return None, await self._died(request)
         try:
             return codec.decode_result(data, len(batch), self.config.max_log_bytes), None
         except codec.MalformedResult as e:
             return None, Outcome.failed(Status.INVALID, f"malformed answer from the worker: {e}")
+
+    async def _begin(self, ours: socket.socket, request: int, batch: SampleBatch, timeout_s: float,
+                     state: Optional[dict]) -> Optional[Outcome]:
+        """Writes the request and waits for the worker's start byte. Returns None once it started, else the crash
+        the samples share (its process died first).
+
+        Raises:
+            PoolUnavailable: the template is gone.
+        """
+        ours.setblocking(False)
+        await asyncio.get_running_loop().sock_sendall(ours, codec.encode_request(batch, timeout_s, state))
+        ours.shutdown(socket.SHUT_WR)
+        # Waiting for a free slot has no deadline of its own: the RPC's deadline covers it.
+        if await self._read_start(ours) is not None:
+            return None
+        if self.dead is not None:
+            raise PoolUnavailable(f"reward {self.name!r}: {self.dead}")
+        return await self._died(request)
+
+    def _kill(self, request: int, timeout_s: float) -> Outcome:
+        """Has the template kill the process running ``request`` (past its deadline); returns the samples' timeout."""
+        try:
+            send(self.sock, {"op": "kill", "req": request})
+        except OSError:
+            pass
+        return Outcome.failed(Status.TIMEOUT, f"exceeded timeout_s={timeout_s:g}; the worker was killed")
 
     async def _read_start(self, ours: socket.socket) -> Optional[bytes]:
         loop = asyncio.get_running_loop()

@@ -16,9 +16,9 @@ tainted sample's own answer (as with a fresh process, code a reward runs in its 
 score), scores every later sample of the request elsewhere, and has the template kill this process. A flag in this
 process would not do: the code it guards could reset it.
 
-The hook cannot be removed (CPython offers no way to), and a process ends a request with a trailer the server
-checks: :data:`CLEAN` (may serve again) or a marker (retire), written by this trusted code after a sample that left
-the module's top-level state changed, timed out, or ran out of memory.
+The hook cannot be removed (CPython offers no way to). Each unit's answer has a trailer the server checks:
+:data:`CLEAN` (the process may go on) or a marker (retire), written by this trusted code after a unit that timed out
+or ran out of memory, or when the state check (:class:`StateCheck`, run before answers are sent) finds a change.
 """
 
 from __future__ import annotations
@@ -190,10 +190,6 @@ def begin(fd: int, index: int) -> None:
 def end() -> Optional[str]:
     """The running sample ended. Returns what tainted the process (None: nothing did)."""
     _WATCH.index = -1
-    return _WATCH.tainted
-
-
-def tainted() -> Optional[str]:
     return _WATCH.tainted
 
 

@@ -196,10 +196,10 @@ def _retire_reason(outcomes: list, reusable: bool) -> Optional[str]:
 FLUSH_S = 0.002  # answers of clean samples are sent together, at least this often (and before any taint's marker)
 
 
-def _units(loaded: worker.Loaded, batch) -> list:
+def _units(loaded: worker.Loaded, batch):
     """What is scored, answered and judged for reuse one at a time: each sample (by index), or the whole call
     (batch style)."""
-    return [batch] if loaded.config.style == "batch" else list(range(len(batch)))
+    return [batch] if loaded.config.style == "batch" else range(len(batch))
 
 
 async def _score_unit(loaded: worker.Loaded, batch, unit, timeout_s: float, state) -> tuple:
@@ -228,6 +228,7 @@ async def _score_units(loaded: worker.Loaded, sock: socket.socket, batch, timeou
     except BaseException:  # noqa: BLE001
         trainer_state = None
     flushed = time.monotonic()
+    retire = None
     try:
         for k, unit in enumerate(_units(loaded, batch)):
             reuse.begin(sock.fileno(), k)
@@ -239,19 +240,14 @@ async def _score_units(loaded: worker.Loaded, sock: socket.socket, batch, timeou
             reuse.queue(k, codec.encode_result(outcomes, logs, dropped, loaded.config.max_log_bytes),
                         reuse.marker(k, retire) if retire else reuse.CLEAN)
             if retire:
-                return False
+                break
             if time.monotonic() - flushed >= FLUSH_S:
                 if reuse.flush() is not None:
                     return False
                 flushed = time.monotonic()
-        return reuse.flush() is None
+        return reuse.flush() is None and retire is None
     except OSError:
         return False  # the server gave up on this request (its deadline passed)
-    finally:
-        try:
-            reuse.flush()
-        except OSError:
-            pass
 
 
 def _handle_stream(loaded: worker.Loaded, fd: int, reusable: bool) -> bool:
