@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import logging
 import os
 import sys
 from typing import Optional
 
+from . import private_tmp
 from . import supervisor as supervisor_module
 
 
@@ -66,9 +68,15 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--sample-memory", type=int, default=None, help="RLIMIT_AS of each slot process, bytes")
     parser.add_argument("--atomic-kill", action="store_true", help="the kernel is Linux's (runc, crun, kata): "
                         "kill(-1) is atomic against fork, so cleaning up a slot needs no stop phase (not gVisor)")
+    parser.add_argument("--private-tmp", choices=private_tmp.MODES, default=None,
+                        help="give every slot process and program a private /tmp this way (see private_tmp.py)")
+    parser.add_argument("--require-private-tmp", action="store_true",
+                        help="exit at start when the private /tmp cannot be made (else: /tmp stays read-only)")
     parser.add_argument("--default-warm", type=int, default=None, help="warm processes of a reward that sets none")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s sandbox %(levelname)s %(message)s")
+    if args.private_tmp == "userns":
+        private_tmp.drop_sys_admin()  # before anything else runs or is forked
     if args.slot_uids:
         try:
             found = scrub_environment_block()
@@ -86,11 +94,33 @@ def main(argv: Optional[list] = None) -> int:
             supervisor_module.make_slot_dirs(args.slot_root, uids + run_uids)
         pool = supervisor_module.SlotPool(uids=uids, run_uids=run_uids, root=args.slot_root or "",
                                           atomic_kill=args.atomic_kill)
+        if args.private_tmp:
+            why_not = None
+            if args.private_tmp == "chroot":
+                try:
+                    socket_dir = os.path.dirname(args.listen.removeprefix("unix://"))
+                    private_tmp.build_roots({uid: pool.directory(uid) for uid in uids + run_uids},
+                                            hidden=(socket_dir,) if args.listen.startswith("unix://") else ())
+                except OSError as e:
+                    why_not = f"building the roots under {private_tmp.ROOTS} failed: {e}"
+            why_not = why_not or private_tmp.probe(args.private_tmp, uids[0], pool.directory(uids[0]))
+            if why_not is None:
+                pool = dataclasses.replace(pool, private_tmp=args.private_tmp)
+            elif args.require_private_tmp:
+                logging.error("no private /tmp can be made for samples (%s): the sandbox stops, as "
+                              "sandbox.docker.private_tmp is 'on'. %s", why_not, private_tmp.FIX)
+                return 2
+            else:
+                logging.warning("no private /tmp can be made for samples (%s): /tmp stays read-only for them. %s",
+                                why_not, private_tmp.FIX)
     else:
         pool = supervisor_module.local_pool(os.environ.get("REWARDBOX_STATE_DIR"))
     pid, sock = supervisor_module.start(pool)
     if args.server_uid is not None and os.getuid() != args.server_uid:
         _become(args.server_uid)
+    if args.slot_uids:
+        from . import seccomp
+        seccomp.install()  # the server needs no namespaces, mounts, SysV IPC or ptrace either
     import asyncio  # only now, after the fork: importing it loads ssl, which makes every later fork cost more
 
     from .server import Supervisor, serve  # grpc only now, after the fork

@@ -13,8 +13,9 @@ For each program, the monitor:
 2. writes the code, the files and the build's output there (as the run uid);
 3. forks the program: a session of its own, ``oom_score_adj`` 1000, the run uid (no capability left), limits on
    CPU time, writable memory (``RLIMIT_DATA``) and address space, processes, file size and open files, a seccomp
-   filter without network (:mod:`.seccomp`), the scratch directory as cwd, HOME and TMPDIR, and a clean
-   environment (none of the reward's, secrets included);
+   filter without network (:mod:`.seccomp`), the scratch directory as cwd, HOME and TMPDIR (mounted on ``/tmp``
+   in a mount namespace of its own where the container allows it: :mod:`.private_tmp`), and a clean environment
+   (none of the reward's, secrets included);
 4. feeds stdin, reads stdout and stderr up to a limit, watches the memory of all the run uid's processes together
    (the rlimits hold per process: a program's forks could otherwise add up to many times its ``memory_mb`` and get
    a concurrent sample's program OOM-killed), and kills the whole tree (every process of the run uid) when the
@@ -44,8 +45,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from . import languages, seccomp
-from . import processes
+from . import languages, private_tmp, processes, seccomp
 
 _LENGTH = struct.Struct("<Q")
 MAX_REQUEST = 256 * 1024 * 1024
@@ -78,6 +78,12 @@ class RunSlot:
     nproc: Optional[int] = None  # RLIMIT_NPROC of the run uid (the sample's share of the sandbox's pids)
     memory: Optional[int] = None  # the sample's address space budget, bytes (gVisor), caps memory_mb
     atomic_kill: bool = False
+    private_tmp: str = ""  # see slot.SlotSpec
+
+    @property
+    def home(self) -> str:
+        """cwd, HOME and TMPDIR of its programs: their directory, mounted on /tmp where it can be."""
+        return private_tmp.PATH if self.private_tmp else self.directory
 
 
 # -- frames ---------------------------------------------------------------------------------------------------------
@@ -405,9 +411,11 @@ class Monitor:
                 resource.setrlimit(resource.RLIMIT_NPROC, (limits.nproc, limits.nproc))
             os.umask(0o077)
             if uid is not None:
+                private_tmp.enter(self.slot.private_tmp, uid, self.slot.directory, as_root=True)
                 os.setresuid(uid, uid, uid)  # no capability is left after this
+                private_tmp.enter(self.slot.private_tmp, uid, self.slot.directory, as_root=False)
             seccomp.install(network=False)
-            os.chdir(self.slot.directory)
+            os.chdir(self.slot.home)
             os.execvpe(argv[0], argv, env)
         except BaseException as e:  # noqa: BLE001 - reported to the monitor, which reports it as the run's error
             try:
@@ -557,7 +565,7 @@ class Monitor:
         return total
 
     def _env(self, language: languages.Language) -> dict:
-        env = dict(BASE_ENV, HOME=self.slot.directory, TMPDIR=self.slot.directory, PWD=self.slot.directory)
+        env = dict(BASE_ENV, HOME=self.slot.home, TMPDIR=self.slot.home, PWD=self.slot.home)
         if language.name == "python":
             env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONIOENCODING="utf-8")
             if os.environ.get("PYTHONPATH"):  # the image's packages (the reward's own pip packages among them)

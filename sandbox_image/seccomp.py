@@ -3,8 +3,13 @@
 It refuses (EPERM) the system calls that would give a sample state outside its own processes and files, or reach
 into other processes: SysV IPC and POSIX message queues (objects that outlive the sample; gVisor ignores the
 sysctls that switch them off under runc), ptrace and process_vm_* (tracing, and tracees that cannot be stopped),
-kernel keyrings and userfaultfd. A system call of another architecture or ABI (x32) kills the process. Standard
-library only (ctypes for prctl).
+kernel keyrings and userfaultfd. It also refuses new namespaces and mounts (``unshare``, ``setns``, ``clone``
+with a namespace flag, ``mount`` and the new mount API, ``pivot_root``, ``chroot``), ``bpf`` and
+``perf_event_open``: a container that holds ``SYS_ADMIN`` for the private ``/tmp`` (:mod:`.private_tmp`) has
+Docker's seccomp profile let these through, and a sample must not make a user namespace (the kernel code that
+opens to an unprivileged user is large) nor change its mounts (its ``/tmp``). ``clone3`` answers ENOSYS (its flags
+are in memory a filter cannot read; the C library falls back to ``clone``). A system call of another architecture
+or ABI (x32) kills the process. Standard library only (ctypes for prctl).
 
 Programs that reward code runs (:mod:`.execution`) get a stricter filter on top: no ``socket()`` at all (socket
 pairs stay) and no io_uring (which can open sockets too), so they have no network even inside a reward that has
@@ -24,9 +29,14 @@ _RET_ALLOW = 0x7FFF0000
 _RET_ERRNO = 0x00050000
 _RET_KILL_PROCESS = 0x80000000
 _EPERM = 1
+_ENOSYS = 38
+# CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET, and NEWTIME
+_NAMESPACE_FLAGS = 0x7E020000 | 0x80
 # BPF instruction codes
 _LD_W_ABS = 0x20
 _JEQ_K = 0x15
+_JSET_K = 0x45
+_ARG0_LOW = 16  # offsetof(struct seccomp_data, args[0]), little-endian: its low 32 bits
 _JGE_K = 0x35
 _RET_K = 0x06
 
@@ -34,7 +44,8 @@ _RET_K = 0x06
 _DENIED = ("shmget", "shmat", "shmctl", "shmdt", "semget", "semop", "semtimedop", "semctl", "msgget", "msgsnd",
            "msgrcv", "msgctl", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify",
            "mq_getsetattr", "ptrace", "process_vm_readv", "process_vm_writev", "add_key", "request_key", "keyctl",
-           "userfaultfd")
+           "userfaultfd", "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "open_tree", "move_mount",
+           "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "bpf", "perf_event_open")
 _NO_NETWORK = ("socket", "io_uring_setup", "io_uring_enter", "io_uring_register")
 _TABLES = {
     "x86_64": (0xC000003E, 0x40000000, {"socket": 41, "io_uring_setup": 425, "io_uring_enter": 426,
@@ -43,14 +54,20 @@ _TABLES = {
         "msgget": 68, "msgsnd": 69, "msgrcv": 70, "msgctl": 71, "ptrace": 101, "semtimedop": 220, "mq_open": 240,
         "mq_unlink": 241, "mq_timedsend": 242, "mq_timedreceive": 243, "mq_notify": 244, "mq_getsetattr": 245,
         "add_key": 248, "request_key": 249, "keyctl": 250, "process_vm_readv": 310, "process_vm_writev": 311,
-        "userfaultfd": 323}),
+        "userfaultfd": 323, "clone": 56, "clone3": 435, "unshare": 272, "setns": 308, "mount": 165,
+        "umount2": 166, "pivot_root": 155, "chroot": 161, "open_tree": 428, "move_mount": 429, "fsopen": 430,
+        "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442, "bpf": 321,
+        "perf_event_open": 298}),
     "aarch64": (0xC00000B7, None, {"socket": 198, "io_uring_setup": 425, "io_uring_enter": 426,
                                    "io_uring_register": 427,
         "mq_open": 180, "mq_unlink": 181, "mq_timedsend": 182, "mq_timedreceive": 183, "mq_notify": 184,
         "mq_getsetattr": 185, "msgget": 186, "msgctl": 187, "msgrcv": 188, "msgsnd": 189, "semget": 190,
         "semctl": 191, "semtimedop": 192, "semop": 193, "shmget": 194, "shmctl": 195, "shmat": 196, "shmdt": 197,
         "ptrace": 117, "add_key": 217, "request_key": 218, "keyctl": 219, "process_vm_readv": 270,
-        "process_vm_writev": 271, "userfaultfd": 282}),
+        "process_vm_writev": 271, "userfaultfd": 282, "clone": 220, "clone3": 435, "unshare": 97, "setns": 268,
+        "mount": 40, "umount2": 39, "pivot_root": 41, "chroot": 51, "open_tree": 428, "move_mount": 429,
+        "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442, "bpf": 280,
+        "perf_event_open": 241}),
 }
 
 
@@ -67,20 +84,48 @@ def program(machine: str, network: bool = True) -> bytes:
     """
     arch, x32_bit, numbers = _TABLES[machine]
     denied = sorted({numbers[name] for name in _DENIED + (() if network else _NO_NETWORK)})
-    body = [_instruction(_LD_W_ABS, 0, 0, 4)]  # seccomp_data.arch
-    body.append(_instruction(_JEQ_K, 1, 0, arch))
-    body.append(_instruction(_RET_K, 0, 0, _RET_KILL_PROCESS))
-    body.append(_instruction(_LD_W_ABS, 0, 0, 0))  # seccomp_data.nr
+    # (code, true target, false target, k), targets as labels; resolved into relative jumps below
+    code: list = [(_LD_W_ABS, None, None, 4),  # seccomp_data.arch
+                  (_JEQ_K, "nr", "kill", arch),
+                  ("nr", None, None, None), (_LD_W_ABS, None, None, 0)]  # seccomp_data.nr
     if x32_bit is not None:
-        body.append(_instruction(_JGE_K, 0, 1, x32_bit))
-        body.append(_instruction(_RET_K, 0, 0, _RET_KILL_PROCESS))
-    # Each denied number jumps to the EPERM return at the end: count the instructions left to skip.
-    for i, number in enumerate(denied):
-        skip = (len(denied) - 1 - i) + 1  # the remaining comparisons, then the ALLOW return
-        body.append(_instruction(_JEQ_K, skip, 0, number))
-    body.append(_instruction(_RET_K, 0, 0, _RET_ALLOW))
-    body.append(_instruction(_RET_K, 0, 0, _RET_ERRNO | _EPERM))
-    return b"".join(body)
+        code.append((_JGE_K, "kill", "checks", x32_bit))
+    code.append(("checks", None, None, None))
+    code.append((_JEQ_K, "enosys", "clone?", numbers["clone3"]))
+    code.append(("clone?", None, None, None))
+    code.append((_JEQ_K, "clone", "denied", numbers["clone"]))
+    code.append(("denied", None, None, None))
+    for number in denied:
+        code.append((_JEQ_K, "eperm", None, number))
+    code += [(_RET_K, None, None, _RET_ALLOW),
+             ("clone", None, None, None), (_LD_W_ABS, None, None, _ARG0_LOW),
+             (_JSET_K, "eperm", "allow", _NAMESPACE_FLAGS),
+             ("allow", None, None, None), (_RET_K, None, None, _RET_ALLOW),
+             ("eperm", None, None, None), (_RET_K, None, None, _RET_ERRNO | _EPERM),
+             ("enosys", None, None, None), (_RET_K, None, None, _RET_ERRNO | _ENOSYS),
+             ("kill", None, None, None), (_RET_K, None, None, _RET_KILL_PROCESS)]
+    return _assemble(code)
+
+
+def _assemble(code: list) -> bytes:
+    """Packs instructions whose jump targets are labels (a label is a ``(name, None, None, None)`` entry; None as
+    a target: the next instruction)."""
+    labels, at = {}, 0
+    for entry in code:
+        if isinstance(entry[0], str):
+            labels[entry[0]] = at
+        else:
+            at += 1
+    out, at = [], 0
+    for op, true, false, k in code:
+        if isinstance(op, str):
+            continue
+        at += 1  # jumps count from the next instruction
+        jt, jf = (0 if t is None else labels[t] - at for t in (true, false))
+        if not (0 <= jt < 256 and 0 <= jf < 256):
+            raise ValueError("a jump out of reach in the seccomp program")
+        out.append(_instruction(op, jt, jf, k))
+    return b"".join(out)
 
 
 class _SockFprog(ctypes.Structure):

@@ -12,7 +12,9 @@ code of ours):
    ``oom_score_adj`` 1000 (the OOM killer takes a sample before the server);
 4. whatever an earlier process of this uid left is removed: every process (``setsid`` daemons included), its SysV
    IPC objects and POSIX message queues, and the contents of the scratch directory;
-5. cwd, HOME and TMPDIR are the scratch directory.
+5. docker backend: its scratch directory is mounted on ``/tmp`` in a mount namespace of its own (:mod:`.private_tmp`)
+   where the container allows it;
+6. cwd, HOME and TMPDIR are the scratch directory (``/tmp`` where it is mounted there).
 
 Then it sends the template one byte (ready) and waits for request sockets. ``isolation: sample``: it serves one
 request and exits, so every sample (a whole call, for batch style) starts from the module's state after import.
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..wire import Outcome, Status, trainer_state_from_dict
-from . import codec, execution, processes, reuse, seccomp, worker
+from . import codec, execution, private_tmp, processes, reuse, seccomp, worker
 from .channel import ChannelClosed, optional_fd, recv
 from .processes import die_with_parent, empty, kill_uid, remove_ipc
 
@@ -60,6 +62,8 @@ class SlotSpec:
     # The template proved that no process of this uid is left (see Template._no_strangers): the cleanup needs no
     # kill or /proc scan, and no IPC objects can exist (the seccomp filter refuses them to every slot process).
     known_clean: bool = False
+    # How its processes get a private /tmp (see private_tmp.py): "userns", "mount", or "" (none: /tmp read-only)
+    private_tmp: str = ""
 
 
 def _set_oom_score_adj(value: int) -> None:
@@ -105,7 +109,9 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
             mark = remove_ipc(slot.uid, mark)
         empty(slot.directory)
         os.seteuid(0)  # the capabilities return (the saved uid is 0) for the one last change
+        private_tmp.enter(slot.private_tmp, slot.uid, slot.directory, as_root=True)
         os.setresuid(slot.uid, slot.uid, slot.uid)  # no capability is left after this
+        private_tmp.enter(slot.private_tmp, slot.uid, slot.directory, as_root=False)
         seccomp.install()  # no SysV IPC, message queues, ptrace, keyrings: for this process and all it starts
     else:
         os.makedirs(slot.directory, mode=0o700, exist_ok=True)
@@ -124,8 +130,9 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
         # cgroup against each other: the container's share of the machine is unchanged). Whatever a sample leaves
         # spinning cannot slow down the template that cleans up after it, nor the server.
         os.setpriority(os.PRIO_PROCESS, 0, SAMPLE_NICE)
-    os.chdir(slot.directory)
-    os.environ.update(HOME=slot.directory, TMPDIR=slot.directory, PWD=slot.directory)
+    home = private_tmp.PATH if slot.private_tmp else slot.directory
+    os.chdir(home)
+    os.environ.update(HOME=home, TMPDIR=home, PWD=home)
     execution.attach(run_fd, "" if run_fd is not None or slot.uid is None else
                      "this sandbox cannot run programs: it has no uid for them (started without --run-uids) or its "
                      "program runner is gone (see the sandbox's log)")

@@ -39,15 +39,16 @@ class SlotPool:
     run_uids: tuple = ()  # one per slot uid: the uid of the programs its reward code runs
     root: str = ""  # local backend: where slot directories go; with uids: see make_slot_dirs
     atomic_kill: bool = False  # see SlotSpec
+    private_tmp: str = ""  # see SlotSpec
 
-    def _directory(self, uid: int) -> str:
+    def directory(self, uid: int) -> str:
         return os.path.join(self.root, f"slot-{uid}") if self.root else f"{SLOT_DIR_PREFIX}{uid}"
 
     def specs(self) -> list:
         """(uid, directory, run uid, run directory) of each slot."""
         if self.uids:
             run_uids = self.run_uids or (None,) * len(self.uids)
-            return [(uid, self._directory(uid), run, self._directory(run) if run is not None else "")
+            return [(uid, self.directory(uid), run, self.directory(run) if run is not None else "")
                     for uid, run in zip(self.uids, run_uids)]
         return [(None, os.path.join(self.root, f"slot-{i}"), None, os.path.join(self.root, f"run-{i}"))
                 for i in range(256)]
@@ -100,6 +101,7 @@ class Supervisor:
         self.server = server
         self.free = pool.specs()
         self.atomic_kill = pool.atomic_kill
+        self.private_tmp = pool.private_tmp
         self.held: dict[int, list] = {}  # template pid -> its slots
         self.selector = selectors.DefaultSelector()
 
@@ -136,7 +138,7 @@ class Supervisor:
             return True
         taken, self.free = self.free[:wanted], self.free[wanted:]
         specs = [SlotSpec(i, uid, directory, nproc, memory, atomic_kill=self.atomic_kill, run_uid=run_uid,
-                          run_directory=run_directory)
+                          run_directory=run_directory, private_tmp=self.private_tmp)
                  for i, (uid, directory, run_uid, run_directory) in enumerate(taken)]
         server_end, template_end = pair()
 

@@ -78,7 +78,8 @@ class Template:
             return
         slot_map = {spec.index: runner_module.RunSlot(uid=spec.run_uid, directory=spec.run_directory,
                                                       nproc=spec.nproc, memory=spec.memory,
-                                                      atomic_kill=spec.atomic_kill) for spec in specs}
+                                                      atomic_kill=spec.atomic_kill,
+                                                      private_tmp=spec.private_tmp) for spec in specs}
         self.runner_pid, self.runner = runner_module.start(slot_map)
 
     def run(self) -> None:

@@ -9,6 +9,11 @@ What a container gets (the docker backend's hardening):
 - a read-only root filesystem (``/tmp`` included); each slot uid has its own tmpfs (``/tmp/slot-<uid>``, mode
   0700, ``tmpfs_size``), so no sample can write where another can read, and so does the run uid paired with each
   slot (the programs a reward runs); no SysV IPC or message queues;
+- ``private_tmp`` (default ``auto``): each slot process and program sees its own tmpfs on ``/tmp``, in a mount
+  namespace of its own (``sandbox/private_tmp.py``). For that the container also gets ``SYS_ADMIN``, which only
+  opens Docker's seccomp profile to ``unshare``/``mount``: under runc the sandbox drops it in its first process
+  (docker-init, PID 1, keeps it: it only reaps and forwards signals, and no sandbox uid can signal it), and
+  reward code is refused namespaces and mounts by the sandbox's own seccomp filter;
 - the gRPC socket's directory is a 1 MiB ``nosuid,nodev,noexec`` tmpfs volume owned by the server uid (mode 0700):
   nothing a container writes lands on host disk, and no sample can reach the socket;
 - memory (no swap), CPU and pids limits; no network unless the reward asks; no ``/dev/shm`` under
@@ -41,6 +46,7 @@ LABEL = "rewardbox"
 SOCKET_DIR_IN_CONTAINER = "/run/rewardbox"
 SOCKET_NAME = "grpc.sock"
 SLOT_DIR_PREFIX = "/tmp/slot-"  # the sandbox's supervisor expects each slot's tmpfs here
+PRIVATE_TMP_ROOTS = "/tmp/rewardbox-roots"  # gVisor: where the sandbox builds each uid's root (private_tmp.ROOTS)
 CAPABILITIES = ("SETUID", "SETGID", "KILL")
 IPC_OFF = {"kernel.shmmni": "0", "kernel.msgmni": "0", "kernel.sem": "0 0 0 0", "fs.mqueue.queues_max": "0"}
 LOG_MAX_SIZE, LOG_MAX_FILES = "4m", "2"
@@ -77,6 +83,17 @@ class ContainerSpec:
     # directory (mode 0711, root's) by the sandbox itself. In Docker it is one tmpfs, world-writable as a pod's
     # emptyDir is, so a container can stand in for a pod in tests.
     slot_root: Optional[str] = None
+    # A private /tmp for every sample and program (sandbox/private_tmp.py): "auto" (where the host allows it),
+    # "on" (a sandbox that cannot make it stops at start) or "off" (/tmp is read-only, no SYS_ADMIN at all).
+    private_tmp: str = "off"
+
+    def capabilities(self) -> list:
+        """What the container starts with. The private /tmp needs SYS_ADMIN in the container's set only so that
+        Docker's seccomp profile lets unshare and mount through: under runc the sandbox's first process drops it
+        before anything runs; under gVisor it is gVisor's own and the host kernel never sees it."""
+        if not self.slot_uids or self.private_tmp == "off":
+            return list(CAPABILITIES)
+        return list(CAPABILITIES) + ["SYS_ADMIN"] + (["SYS_CHROOT"] if is_gvisor(self.runtime) else [])
 
     def server_command(self) -> list:
         if self.command is not None:
@@ -88,6 +105,10 @@ class ContainerSpec:
                         "--run-uids", f"{first + count}-{first + 2 * count - 1}"]
             if not is_gvisor(self.runtime):  # a Linux kernel: kill(-1) cannot race fork (see slot.kill_uid)
                 command.append("--atomic-kill")
+            if self.private_tmp != "off":
+                command += ["--private-tmp", "chroot" if is_gvisor(self.runtime) else "userns"]
+                if self.private_tmp == "on":
+                    command.append("--require-private-tmp")
         if self.slot_root:
             command += ["--slot-root", self.slot_root]
         if self.sample_nproc:
@@ -108,11 +129,13 @@ class ContainerSpec:
 
     def slot_tmpfs(self) -> dict:
         first, count = self.slot_uids or (0, 0)
+        roots = {PRIVATE_TMP_ROOTS: "rw,nosuid,nodev,size=1m,mode=0700"} \
+            if self.slot_uids and self.private_tmp != "off" and is_gvisor(self.runtime) else {}
         if self.slot_root:
-            return {self.slot_root: f"rw,nosuid,nodev,exec,size={self.tmpfs_size},mode=0777,"  # as an emptyDir
+            return roots | {self.slot_root: f"rw,nosuid,nodev,exec,size={self.tmpfs_size},mode=0777,"  # as an emptyDir
                                     f"nr_inodes={self.tmpfs_inodes * 2 * count}"}
         # Docker mounts a tmpfs noexec unless told otherwise: the programs' directories hold compiled programs.
-        return {f"{SLOT_DIR_PREFIX}{uid}": f"rw,nosuid,nodev,{'exec,' if uid >= first + count else ''}"
+        return roots | {f"{SLOT_DIR_PREFIX}{uid}": f"rw,nosuid,nodev,{'exec,' if uid >= first + count else ''}"
                                            f"size={self.tmpfs_size},nr_inodes={self.tmpfs_inodes},mode=0700,"
                                            f"uid={uid},gid={uid}"
                 for uid in range(first, first + 2 * count)}
@@ -126,7 +149,7 @@ class ContainerSpec:
             labels=dict(self.labels),
             user="0:0",
             cap_drop=["ALL"],
-            cap_add=list(CAPABILITIES),
+            cap_add=self.capabilities(),
             security_opt=["no-new-privileges"],
             read_only=True,
             # /tmp stays the image's directory on the read-only root: nobody can write there (a tmpfs mounted on

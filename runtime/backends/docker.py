@@ -99,6 +99,10 @@ class DockerSettings(BackendSettings):
     tmpfs_size: str = Field(default="64m", description="size of each slot's scratch tmpfs (a sample's files)")
     tmpfs_inodes: int = Field(default=8192, ge=64, description="files and directories a slot's scratch tmpfs may "
                               "hold (its size does not count them; runc enforces it, gVisor does not)")
+    private_tmp: Literal["auto", "on", "off"] = Field(
+        default="auto", description="a private, writable /tmp for every sample and every program it runs: auto "
+        "(where the host allows it; else /tmp stays read-only, with a warning in the sandbox's log), on (a sandbox "
+        "that cannot make it stops at start, saying why), off (read-only /tmp; the container gets no SYS_ADMIN)")
     system_packages_from: Literal["host", "build"] = Field(
         default="host", description="host: the host's apt-get downloads rewards' system_packages for the base image "
         "(the image build needs no network); build: the image build runs apt-get with the engine's default network")
@@ -202,6 +206,7 @@ class DockerBackend:
             default_warm=plan.default_warm,
             sample_nproc=plan.sample_nproc,
             sample_memory=plan.sample_memory,
+            private_tmp=self.settings.private_tmp,
         )
         return DockerSandbox(self.client, spec, name=f"{reward.name}-{replica}")
 
