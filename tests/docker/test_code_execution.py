@@ -57,7 +57,8 @@ def tamper(spec):
         f.write("mine")
     socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()  # the reward itself has network
     with open(SENTINEL, "r+") as held:  # open while the program runs: /proc/<pid>/fd/<n> leads to it
-        r = run(spec["code"], args=[str(os.getuid()), str(os.getpid()), os.getcwd()], timeout_s=5)
+        # its directory is the program's /tmp too, by name: the program gets the ways that could lead to this one
+        r = run(spec["code"], args=[str(os.getuid()), str(os.getpid()), f"/proc/{os.getpid()}/cwd"], timeout_s=5)
         held.seek(0)
         intact = held.read() == "mine"
     print("TAMPER", r.status, r.stdout[-3000:], r.stderr[-2000:])
@@ -164,8 +165,9 @@ import os, time
 open("planted.txt", "w").write("x")
 os.makedirs("deep/er", exist_ok=True)
 open("deep/er/planted", "w").write("x")
+open("/tmp/planted", "w").write("x")  # its /tmp is its own directory: gone for the next program too
 tried = []
-for path in ("/tmp/planted", "/var/tmp/planted", "/dev/shm/planted", "/run/planted", "/opt/planted",
+for path in ("/var/tmp/planted", "/dev/shm/planted", "/run/planted", "/opt/planted", "/planted",
              os.path.expanduser("~/../planted")):
     try:
         open(path, "w").write("x")
@@ -258,6 +260,8 @@ def through_its_descriptors():  # gVisor lists them: none may open
 attempt("environment", secret_in_environ)
 attempt("its open files", through_its_descriptors)
 attempt("its directory", lambda: os.listdir(reward_dir))
+attempt("its slot's tmpfs", lambda: os.listdir(f"/tmp/slot-{reward_uid}"))
+attempt("its root", lambda: os.listdir(f"/proc/{reward_pid}/root/tmp"))
 attempt("its sentinel", lambda: open(os.path.join(reward_dir, "sentinel.txt")).read())
 attempt("overwrite sentinel", lambda: open(os.path.join(reward_dir, "sentinel.txt"), "w").write("forged"))
 attempt("plant in its directory", lambda: open(os.path.join(reward_dir, "planted.py"), "w").write("x"))

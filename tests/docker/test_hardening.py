@@ -20,14 +20,10 @@ def write_root(prompt, completion, example):
         return 0.0
 
 def write_tmp(prompt, completion, example):
-    try:
-        open("/tmp/ok", "w").close()
-        return -1.0  # /tmp must not be writable: nothing there would be private to a sample
-    except OSError:
-        pass
-    with open(os.path.join(os.environ["TMPDIR"], "ok"), "w") as f:  # its own scratch directory
+    # /tmp is the sample's own scratch directory (tests/docker/test_private_tmp.py has the rest)
+    with open("/tmp/ok", "w") as f:
         f.write("x")
-    return 1.0 if os.getcwd() == os.environ["TMPDIR"] else -2.0
+    return 1.0 if os.getcwd() == os.environ["TMPDIR"] == "/tmp" and os.listdir(".") == ["ok"] else -2.0
 
 def uid(prompt, completion, example):
     return float(os.getuid())
@@ -75,7 +71,7 @@ def _listener():
     return server, server.getsockname()[1]
 
 
-def test_root_and_tmp_are_read_only_and_each_sample_writes_its_own_scratch_directory(docker_sandboxes):
+def test_root_is_read_only_and_each_sample_writes_its_own_scratch_directory_on_tmp(docker_sandboxes):
     s = docker_sandboxes([{"name": "write_root", "code": PROBES},
                           {"name": "write_tmp", "file": "write_root.py"}])
     assert score(s, "write_root", ["x"]).values == [0.0]
@@ -139,8 +135,9 @@ def test_container_settings_are_hardened(docker_sandboxes):
     container = s.replicas["uid"][0].sandbox.container
     container.reload()
     host = container.attrs["HostConfig"]
-    # root in the container holds only what switching to slot uids needs; nothing holds more
-    assert host["CapDrop"] == ["ALL"] and sorted(host["CapAdd"]) == ["KILL", "SETGID", "SETUID"]
+    # root in the container holds only what switching to slot uids needs, and SYS_ADMIN only so that Docker's
+    # seccomp profile lets the private /tmp's unshare and mount through: the sandbox drops it at once (below)
+    assert host["CapDrop"] == ["ALL"] and sorted(host["CapAdd"]) == ["KILL", "SETGID", "SETUID", "SYS_ADMIN"]
     assert "no-new-privileges" in host["SecurityOpt"]
     assert host["ReadonlyRootfs"] is True and host["Privileged"] is False
     assert host["NetworkMode"] == "none"
@@ -173,6 +170,11 @@ def test_container_settings_are_hardened(docker_sandboxes):
             break
         time.sleep(0.1)
     assert uids.count(0) == 4 and uids.count(65534) == 1
+    # no process of the sandbox holds SYS_ADMIN (docker-init, PID 1, keeps what the container started with)
+    for pid, _, args in (p[:3] for p in container.top(ps_args="-eo pid,uid,args")["Processes"]):
+        with open(f"/proc/{pid}/status") as f:  # the host's view of the container's processes
+            permitted = int(next(line for line in f if line.startswith("CapPrm:")).split()[1], 16)
+        assert "docker-init" in args or not permitted & (1 << 21), (args, hex(permitted))
     slot_uids = [u for u in uids if u not in (0, 65534)]
     assert slot_uids and all(f"/tmp/slot-{u}" in slot_mounts for u in slot_uids)  # warm slot processes
     reward_uid = int(score(s, "uid", ["x"]).values[0])

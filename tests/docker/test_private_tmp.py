@@ -1,0 +1,163 @@
+"""A private, writable /tmp for every sample and every program it runs, in real containers (runc and gVisor):
+rewards that write to /tmp by name work, and nothing one sample puts there reaches another, concurrent or later
+(sandbox_image/private_tmp.py).
+
+Each test asserts the innocent samples' exact values and statuses, not only the guilty ones'.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+
+import pytest
+import yaml
+
+from rewardbox import RewardSandboxes, build_samples, load_config
+from rewardbox.wire import Status
+from tests.docker.conftest import docker_backend
+
+REWARDS = '''
+import ctypes, os, subprocess, sys, tempfile, time
+
+PROGRAM = "import random, sys; print(getattr(random, 'PLANTED', 0) + len(sys.argv))"
+
+
+def plain(prompt, completion, example):
+    """A reward written for plain Python: a temporary file, a script in /tmp by name, run with python3 from there
+    (which puts /tmp first on sys.path). The completion "plant" also leaves a random.py there, and waits, so that
+    concurrent samples run while it is in place."""
+    fd, name = tempfile.mkstemp(dir="/tmp", suffix=".txt")
+    os.write(fd, completion.encode())
+    os.close(fd)
+    with open(name) as f:
+        assert f.read() == completion
+    with open("/tmp/solution.py", "w") as f:
+        f.write(PROGRAM)
+    if completion == "plant":
+        with open("/tmp/random.py", "w") as f:
+            f.write("PLANTED = 100\\n")
+        time.sleep(1.5)
+    out = subprocess.run([sys.executable, "/tmp/solution.py"], capture_output=True, text=True, timeout=20)
+    others = sorted(set(os.listdir("/tmp")) - {os.path.basename(name), "solution.py", "random.py", "__pycache__"})
+    if others:  # anything another sample left, or anything of the sandbox's
+        print("found in /tmp:", others)
+        return -1.0
+    return float(out.stdout) if out.returncode == 0 else -2.0
+
+
+def tmp_is_home(prompt, completion, example):
+    with open("/proc/self/mountinfo") as f:
+        options = [line.split()[5].split(",") for line in f if line.split()[4] == "/tmp"][-1]
+    # gVisor shows no nosuid or nodev on any tmpfs, Docker's own included (and it has no setuid files or devices)
+    gvisor = completion == "runsc"
+    checks = [os.getcwd(), os.environ["TMPDIR"], os.environ["HOME"], tempfile.gettempdir(), "rw" in options,
+              gvisor or "nosuid" in options, gvisor or "nodev" in options]
+    print(checks, options)
+    return float(checks == ["/tmp"] * 4 + [True] * 3)
+
+
+def program(prompt, completion, example):
+    """The reward and the program it runs (rewardbox.sandbox.run) each have a /tmp, and neither sees the other's."""
+    from rewardbox.sandbox import run
+    with open("/tmp/reward-was-here", "w") as f:
+        f.write("x")
+    code = ("import os\\nprint(sorted(os.listdir('/tmp')))\\nopen('/tmp/program-was-here', 'w').write('x')\\n"
+            "print(os.getcwd(), os.environ['TMPDIR'])")
+    first, second = run(code), run(code)
+    mine = sorted(os.listdir("/tmp"))
+    expected = "['main.py']\\n/tmp /tmp\\n"  # its own code, and nothing of the other program's
+    print(first.stdout, second.stdout, mine, first.stderr[-500:])
+    return float(first.ok and first.stdout == expected and second.stdout == expected
+                 and mine == ["reward-was-here"])
+
+
+def escape(prompt, completion, example):
+    """Reward code tries to leave its /tmp or make a view of its own: all refused, and it holds no capability."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    refused = [libc.unshare(0x10000000 | 0x00020000) != 0,  # a user and mount namespace
+               libc.umount2(b"/tmp", 2) != 0,  # uncover what is under its /tmp
+               libc.mount(b"/", b"/tmp", None, 4096, None) != 0,
+               libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0) == -1,  # clone(CLONE_NEWUSER)
+               not any(name.startswith("slot-") or name.startswith("rewardbox-") for name in os.listdir("/tmp"))]
+    try:
+        os.chroot("/")
+        refused.append(False)
+    except OSError:
+        refused.append(True)
+    try:
+        open("/planted", "w")
+        refused.append(False)
+    except OSError:
+        refused.append(True)
+    with open("/proc/self/status") as f:
+        capabilities = [line.split()[1] for line in f if line.startswith(("CapEff", "CapPrm"))]
+    print(refused, capabilities)
+    return float(all(refused) and capabilities == ["0000000000000000"] * 2)
+'''
+TIMEOUT_S = 20.0
+
+
+@pytest.fixture(scope="module", params=["runc", "runsc"])
+def sandboxes(request, tmp_path_factory, docker_client, base_image):
+    if request.param == "runsc" and "runsc" not in docker_client.info().get("Runtimes", {}):
+        pytest.fail("the Docker engine has no runsc runtime: start it as scripts/setup.sh does")
+    root = tmp_path_factory.mktemp(f"private-tmp-{request.param}")
+    (root / "rewards.py").write_text(textwrap.dedent(REWARDS))
+    common = {"source": "rewards.py", "timeout_s": TIMEOUT_S, "workers": 2, "cpus": 2, "default_score": -5.0,
+              "memory": "1g", "retries": 0}
+    (root / "config.yaml").write_text(yaml.safe_dump({
+        "sandbox": {"backend": "docker", "docker": {
+            "base_image": base_image, "runtime": None if request.param == "runc" else "runsc",
+            "private_tmp": "on"}},  # a sandbox that cannot make it fails to start, and the tests with it
+        "rewards": [{"name": "plain", **common},
+                    {"name": "plain_fresh", "function": "plain", "isolation": "process", **common},
+                    {"name": "tmp_is_home", **common}, {"name": "program", **common},
+                    {"name": "escape", **common}],
+    }))
+    config = load_config(root / "config.yaml")
+    started = RewardSandboxes(config, backend=docker_backend(config, docker_client))
+    started.start()
+    started.runtime = request.param
+    yield started
+    started.stop()
+
+
+def score(sandboxes, name, completions):
+    return asyncio.run(sandboxes[name].client.score(build_samples(["p"] * len(completions), completions, {})))
+
+
+@pytest.mark.parametrize("reward", ["plain", "plain_fresh"])
+def test_rewards_that_write_to_tmp_by_name_work_and_a_planted_module_reaches_no_other_sample(sandboxes, reward):
+    # planters and innocents in one batch: the innocents run while the planted random.py sits in the planters' /tmp
+    completions = ["plant", "a", "b", "plant", "c", "d", "e", "plant"]
+    report = score(sandboxes, reward, completions)
+    assert list(zip(report.values, report.statuses)) == [
+        (101.0 if c == "plant" else 1.0, Status.OK) for c in completions], (report.errors, report.logs[-2000:])
+    # later samples, whichever processes they get: nothing of the batch before is in their /tmp
+    later = score(sandboxes, reward, ["f"] * 8)
+    assert list(zip(later.values, later.statuses)) == [(1.0, Status.OK)] * 8, (later.errors, later.logs[-2000:])
+
+
+def test_tmp_is_the_samples_home_cwd_and_tempdir(sandboxes):
+    report = score(sandboxes, "tmp_is_home", [sandboxes.runtime] * 4)
+    assert report.values == [1.0] * 4 and report.statuses == [Status.OK] * 4, (report.errors, report.logs)
+
+
+def test_a_program_the_reward_runs_has_a_tmp_of_its_own(sandboxes):
+    report = score(sandboxes, "program", ["x"] * 3)
+    assert report.values == [1.0] * 3 and report.statuses == [Status.OK] * 3, (report.errors, report.logs)
+
+
+def test_reward_code_cannot_leave_its_tmp_nor_make_namespaces_or_mounts(sandboxes):
+    report = score(sandboxes, "escape", ["x"] * 2)
+    assert report.values == [1.0] * 2 and report.statuses == [Status.OK] * 2, (report.errors, report.logs)
+
+
+def test_private_tmp_off_leaves_tmp_read_only_and_the_container_without_sys_admin(docker_sandboxes):
+    s = docker_sandboxes([{"name": "plain", "code": textwrap.dedent(REWARDS), "retries": 0, "timeout_s": TIMEOUT_S}],
+                         sandbox={"docker": {"private_tmp": "off"}})
+    report = score(s, "plain", ["a"])
+    assert report.statuses == [Status.ERROR] and "Read-only file system: '/tmp/" in report.errors[0]
+    container = s.replicas["plain"][0].sandbox.container
+    assert sorted(container.attrs["HostConfig"]["CapAdd"]) == ["KILL", "SETGID", "SETUID"]
