@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence, Union
 
-from . import runner as runner_module
+from . import run_requests
 from .languages import LANGUAGES, lookup
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 _sigmask = _signal.pthread_sigmask  # not the one a slot process wraps to report a sample's own uses (.reuse)
 STATUSES = ("ok", "runtime_error", "timeout", "memory", "compile_error", "output_limit")
-MAX_REPLY = 2 * runner_module.MAX_REQUEST + (64 << 20)
+MAX_REPLY = 2 * run_requests.MAX_REQUEST + (64 << 20)
 
 
 @dataclass(frozen=True)
@@ -106,9 +106,9 @@ class _Channel:
             # calls: Python runs the handler in the main thread, and a mask elsewhere changes nothing.)
             old = _sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
             try:
-                runner_module.write_frame(self.sock, request)
-                reply = runner_module.read_frame(self.sock, MAX_REPLY)
-            except (OSError, runner_module.RequestError) as e:
+                run_requests.write_frame(self.sock, request)
+                reply = run_requests.read_frame(self.sock, MAX_REPLY)
+            except (OSError, run_requests.RequestError) as e:
                 raise RunnerUnavailable(f"the program runner failed: {e}") from None
             finally:
                 _sigmask(signal.SIG_SETMASK, old)

@@ -29,9 +29,7 @@ program runs as its caller). Standard library only.
 
 from __future__ import annotations
 
-import base64
 import ctypes
-import json
 import math
 import os
 import resource
@@ -39,21 +37,17 @@ import selectors
 import signal
 import socket
 import stat
-import struct
 import sys
 import time
 from dataclasses import dataclass
 from typing import Optional
 
 from . import languages, private_tmp, processes, seccomp
+from .run_requests import MAX_REQUEST, COMPARISONS, Request, RequestError, parse, read_frame, write_frame
 
-_LENGTH = struct.Struct("<Q")
-MAX_REQUEST = 256 * 1024 * 1024
 # A monitor holds what a sample sends it in memory the sample does not pay for: at most this much (or half the
 # sample's own address space, where it has a limit), so a sample cannot make it hold more than the sample could.
 MAX_MONITORED_REQUEST = 64 * 1024 * 1024
-MAX_RUNS = 1000
-MAX_FILES = 1000
 MAX_ARTIFACT = 256 * 1024 * 1024
 COMPILE_OUTPUT = 64 * 1024
 COMPILE_PROCESSES = 64
@@ -63,10 +57,6 @@ MEMORY_POLL_S = 0.02  # how often the memory of a program's processes is added u
 _PR_SET_CHILD_SUBREAPER = 36
 _MIB = 1 << 20
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
-
-
-class RequestError(ValueError):
-    """A request the runner does not take; the message says which field and why."""
 
 
 @dataclass(frozen=True)
@@ -84,158 +74,6 @@ class RunSlot:
     def home(self) -> str:
         """cwd, HOME and TMPDIR of its programs: their directory, mounted on /tmp where it can be."""
         return private_tmp.PATH if self.private_tmp else self.directory
-
-
-# -- frames ---------------------------------------------------------------------------------------------------------
-def write_frame(sock: socket.socket, message: dict) -> None:
-    data = json.dumps(message, separators=(",", ":")).encode()
-    sock.sendall(_LENGTH.pack(len(data)) + data)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> Optional[bytes]:
-    chunks, size = [], 0
-    while size < n:
-        data = sock.recv(min(n - size, 1 << 20))
-        if not data:
-            return None
-        chunks.append(data)
-        size += len(data)
-    return b"".join(chunks)
-
-
-def read_frame(sock: socket.socket, limit: int) -> Optional[dict]:
-    """One JSON object, or None when the peer closed the socket.
-
-    Raises:
-        RequestError: over ``limit`` bytes, or not a JSON object.
-    """
-    header = _recv_exact(sock, _LENGTH.size)
-    if header is None:
-        return None
-    (length,) = _LENGTH.unpack(header)
-    if length > limit:
-        raise RequestError(f"a request of {length} bytes is over the limit of {limit}")
-    data = _recv_exact(sock, length)
-    if data is None:
-        return None
-    try:
-        message = json.loads(data)
-    except ValueError as e:
-        raise RequestError(f"not JSON: {e}") from None
-    if not isinstance(message, dict):
-        raise RequestError("not a JSON object")
-    return message
-
-
-# -- requests -------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Run:
-    stdin: bytes
-    args: tuple
-    expected: Optional[str]
-
-
-@dataclass(frozen=True)
-class Request:
-    language: languages.Language
-    code: bytes
-    files: dict  # relative path -> bytes
-    runs: tuple
-    timeout_s: float
-    memory_mb: int
-    max_output_bytes: int
-    compile_timeout_s: float
-    compare: str
-    stop_on_failure: bool
-
-
-def _number(message: dict, key: str, kind, low, high):
-    value = message.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RequestError(f"{key} must be a number, not {value!r}")
-    if not low <= value <= high:
-        raise RequestError(f"{key}={value!r} is outside [{low}, {high}]")
-    return kind(value)
-
-
-def _text(value, what: str) -> bytes:
-    if isinstance(value, str):
-        return value.encode("utf-8", "surrogateescape")
-    if isinstance(value, dict) and isinstance(value.get("base64"), str):
-        return base64.b64decode(value["base64"], validate=True)
-    raise RequestError(f"{what} must be text")
-
-
-def check_path(name) -> str:
-    """A file name for the scratch directory: relative, inside it, no special parts.
-
-    Raises:
-        RequestError: naming the problem.
-    """
-    if not isinstance(name, str) or not name or "\0" in name or len(name) > 1024:
-        raise RequestError(f"file name {name!r} is not usable")
-    parts = name.split("/")
-    if name.startswith("/") or any(p in ("", ".", "..") for p in parts) or any(len(p) > 255 for p in parts):
-        raise RequestError(f"file name {name!r} must be a relative path inside the scratch directory")
-    return name
-
-
-def parse(message: dict) -> Request:
-    """Checks a request from a slot process; nothing in it is trusted.
-
-    Raises:
-        RequestError: naming the field.
-    """
-    try:
-        language = languages.lookup(message.get("language"))
-    except ValueError as e:
-        raise RequestError(str(e)) from None
-    files = message.get("files") or {}
-    if not isinstance(files, dict) or len(files) > MAX_FILES:
-        raise RequestError(f"files must be a mapping of at most {MAX_FILES} names to contents")
-    reserved = {language.source, language.artifact}
-    checked = {}
-    for name, content in files.items():
-        if check_path(name) in reserved:
-            raise RequestError(f"file name {name!r} is where {language.name} code goes; choose another name")
-        checked[name] = _text(content, f"files[{name!r}]")
-    runs = message.get("runs")
-    if not isinstance(runs, list) or not 1 <= len(runs) <= MAX_RUNS:
-        raise RequestError(f"runs must be a list of 1 to {MAX_RUNS} runs")
-    parsed = []
-    for i, r in enumerate(runs):
-        if not isinstance(r, dict):
-            raise RequestError(f"runs[{i}] must be a mapping")
-        args = r.get("args") or []
-        if not isinstance(args, list) or not all(isinstance(a, str) and "\0" not in a for a in args):
-            raise RequestError(f"runs[{i}].args must be a list of strings")
-        expected = r.get("expected")
-        if expected is not None and not isinstance(expected, str):
-            raise RequestError(f"runs[{i}].expected must be text")
-        parsed.append(Run(_text(r.get("stdin", ""), f"runs[{i}].stdin"), tuple(args), expected))
-    compare = message.get("compare", "lines")
-    if compare not in COMPARISONS:
-        raise RequestError(f"compare={compare!r}: use one of {', '.join(COMPARISONS)}")
-    return Request(language=language, code=_text(message.get("code"), "code"), files=checked, runs=tuple(parsed),
-                   timeout_s=_number(message, "timeout_s", float, 0.001, 3600),
-                   memory_mb=_number(message, "memory_mb", int, 16, 1 << 20),
-                   max_output_bytes=_number(message, "max_output_bytes", int, 1, 1 << 30),
-                   compile_timeout_s=_number(message, "compile_timeout_s", float, 0.001, 3600),
-                   compare=compare, stop_on_failure=bool(message.get("stop_on_failure", False)))
-
-
-def _lines(text: str) -> list:
-    lines = [line.rstrip() for line in text.replace("\r\n", "\n").split("\n")]
-    while lines and not lines[-1]:
-        lines.pop()
-    return lines
-
-
-COMPARISONS = {
-    "exact": lambda actual, expected: actual == expected,
-    "lines": lambda actual, expected: _lines(actual) == _lines(expected),  # trailing spaces and blank lines aside
-    "tokens": lambda actual, expected: actual.split() == expected.split(),
-}
 
 
 # -- one program ----------------------------------------------------------------------------------------------------

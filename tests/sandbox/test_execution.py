@@ -12,7 +12,7 @@ import pytest
 
 from rewardbox import build_samples
 from rewardbox.sandbox import run, run_tests
-from rewardbox.sandbox import runner, seccomp
+from rewardbox.sandbox import run_requests, seccomp
 from tests.conftest import run as run_async
 
 
@@ -122,12 +122,12 @@ def test_bad_requests_fail_clearly(call, message):
 def test_the_runner_checks_every_field_it_is_sent():
     good = {"language": "python", "code": "x", "runs": [{"stdin": ""}], "timeout_s": 1, "memory_mb": 64,
             "max_output_bytes": 10, "compile_timeout_s": 1}
-    assert runner.parse(good).timeout_s == 1.0
+    assert run_requests.parse(good).timeout_s == 1.0
     for field, value in [("runs", []), ("runs", [{"args": "notalist"}]), ("timeout_s", float("nan")),
                          ("timeout_s", True), ("files", {"/etc/passwd": "x"}), ("files", {"a/../../b": "x"}),
                          ("code", 3), ("compare", "fuzzy"), ("memory_mb", 10 ** 9)]:
-        with pytest.raises(runner.RequestError):
-            runner.parse(dict(good, **{field: value}))
+        with pytest.raises(run_requests.RequestError):
+            run_requests.parse(dict(good, **{field: value}))
 
 
 def test_the_programs_filter_refuses_socket_and_io_uring():
