@@ -594,8 +594,20 @@ class Runner:
         return True
 
     def _start(self, index: int) -> None:
-        sock = self.sockets.pop(index)
+        sock = self.sockets[index]
+        try:
+            first = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError:
+            first = b""
+        self.sockets.pop(index)
         self.selector.unregister(sock)
+        if not first:
+            # The slot process is gone without asking for a program (most never do): no monitor, as nothing of
+            # the run uid can exist that a monitor did not start and clean up after.
+            sock.close()
+            return
         keep = [self.control.fileno(), *(s.fileno() for s in self.sockets.values())]
         try:
             pid = _start_monitor(self.slots[index], sock, tuple(keep))

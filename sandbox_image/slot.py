@@ -76,6 +76,7 @@ def _set_oom_score_adj(value: int) -> None:
 
 
 SAMPLE_NICE = 19
+HOME_VARIABLES = ("HOME", "TMPDIR", "PWD")
 
 
 def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> int:
@@ -132,7 +133,8 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
         os.setpriority(os.PRIO_PROCESS, 0, SAMPLE_NICE)
     home = private_tmp.PATH if slot.private_tmp else slot.directory
     os.chdir(home)
-    os.environ.update(HOME=home, TMPDIR=home, PWD=home)
+    if any(os.environ.get(name) != home for name in HOME_VARIABLES):  # the template set them where it could
+        os.environ.update(dict.fromkeys(HOME_VARIABLES, home))
     execution.attach(run_fd, "" if run_fd is not None or slot.uid is None else
                      "this sandbox cannot run programs: it has no uid for them (started without --run-uids) or its "
                      "program runner is gone (see the sandbox's log)")

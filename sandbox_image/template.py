@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from . import runner as runner_module
-from . import processes, seccomp, slot as slots
+from . import private_tmp, processes, seccomp, slot as slots
 from . import worker
 from .channel import ChannelClosed, optional_fd, pair, recv, send
 from .records import WorkerConfig
@@ -105,6 +105,8 @@ class Template:
             import asyncio  # noqa: F401 - here, once, for every slot process (sync rewards never load it)
         if any(s.spec.uid is not None for s in self.slots):
             seccomp.prepare()
+        if all(s.spec.private_tmp for s in self.slots):  # every slot's home is /tmp: set once, not per process
+            os.environ.update(dict.fromkeys(slots.HOME_VARIABLES, private_tmp.PATH))
         gc.freeze()  # the module's objects stay shared with every fork instead of being copied on first touch
         wake_r = processes.sigchld_wakeup()
         self.selector.register(wake_r, selectors.EVENT_READ, "wake")
