@@ -51,6 +51,9 @@ class ScoreReport:
     errors: list  # str | None
     logs: str = ""
     latency_s: float = 0.0
+    # per sample: what the function printed while it scored that sample alone (isolation: sample or process,
+    # sample style), else "" (its output is in ``logs`` only)
+    sample_logs: list = field(default_factory=list)
     attempts: int = 0
     restarts: int = 0
     workers_replaced: int = 0
@@ -70,6 +73,7 @@ class _Share:
     samples: list
     indices: list
     outcomes: dict = field(default_factory=dict)  # index -> Outcome
+    sample_logs: dict = field(default_factory=dict)  # index -> its own output
     logs: list = field(default_factory=list)
     attempts: int = 0
     workers_replaced: int = 0
@@ -130,7 +134,7 @@ class RewardClient:
         first = next(self._rotation)
         await asyncio.gather(*(self._score_share(first + i, share, trainer_state) for i, share in enumerate(shares)))
 
-        values, statuses, errors = [None] * n, [Status.UNAVAILABLE] * n, [None] * n
+        values, statuses, errors, own_logs = [None] * n, [Status.UNAVAILABLE] * n, [None] * n, [""] * n
         logs, attempts, replaced = [], 0, 0
         for share in shares:
             logs.extend(share.logs)
@@ -143,6 +147,7 @@ class RewardClient:
                 statuses[i] = status
                 errors[i] = error or None
                 values[i] = value if status is _OK else default
+                own_logs[i] = share.sample_logs.get(i, "")
         return ScoreReport(
             name=self.reward.name,
             values=values,
@@ -153,6 +158,7 @@ class RewardClient:
             attempts=attempts,
             restarts=sum(r.restarts for r in self.replicas),
             workers_replaced=replaced,
+            sample_logs=own_logs,
         )
 
     async def _score_share(self, first: int, share: _Share, trainer_state: Optional[pb.TrainerState]) -> None:
@@ -266,6 +272,8 @@ class RewardClient:
         outcomes, isfinite, shared = share.outcomes, math.isfinite, replica.shared
         deferred, unscored = [], 0
         for item, score in zip(todo, reply.scores):
+            if score.logs:
+                share.sample_logs[item[0]] = score.logs
             # Nearly every sample: status ok with a finite value. checked() handles the rest the same way.
             if score.status == _OK_WIRE and score.HasField("value") and isfinite(score.value):
                 outcomes[item[0]] = Outcome(score.value, _OK)

@@ -215,12 +215,13 @@ class RewardService(pb_grpc.RewardSandboxServicer):
             if not self.active:
                 self._idle.set()
         scores = []
-        for value, status, error in zip(report.values, report.statuses, report.errors):
+        own_logs = report.sample_logs or [""] * len(report.values)
+        for value, status, error, own in zip(report.values, report.statuses, report.errors, own_logs):
             if status is _OK:
-                scores.append(pb.Score(value=value, status=status.wire) if value is not None
-                              else pb.Score(status=status.wire))
+                scores.append(pb.Score(value=value, status=status.wire, logs=own) if value is not None
+                              else pb.Score(status=status.wire, logs=own))
             else:  # the trainer's client applies its own default_score
-                scores.append(pb.Score(status=status.wire, error=error or ""))
+                scores.append(pb.Score(status=status.wire, error=error or "", logs=own))
         deferred = pb.Score(status=Status.UNAVAILABLE.wire, deferred=True,
                             error=f"max_in_flight={budget.limit} reached; not attempted")
         scores.extend(deferred for _ in range(n - admitted))

@@ -101,6 +101,7 @@ class BatchResult:
     dropped: int = 0
     workers_replaced: int = 0
     isolated_reruns: int = 0
+    sample_logs: list = field(default_factory=list)  # per sample: its own output where it ran alone, else ""
 
     def add(self, other: "BatchResult | ChunkResult") -> None:
         self.values.extend(other.values)
@@ -111,9 +112,13 @@ class BatchResult:
         if isinstance(other, BatchResult):
             self.workers_replaced += other.workers_replaced
             self.isolated_reruns += other.isolated_reruns
+            self.sample_logs.extend(other.sample_logs)
+        else:
+            self.sample_logs.extend([other.logs] if len(other) == 1 else [""] * len(other))
 
     def add_failed(self, outcome: Outcome) -> None:
         """One sample whose worker was killed or died."""
         self.values.append(None)
         self.statuses.append(outcome.status)
         self.errors.append(outcome.error)
+        self.sample_logs.append("")

@@ -213,11 +213,14 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
             result = await fp.score(batch, request.timeout_s, state)
         except PoolUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        alone = result.sample_logs if len(result.sample_logs) == len(result.values) else [""] * len(result.values)
+        if fp.style == "batch":
+            alone = [""] * len(result.values)  # one call for all: its output is the response's
         scores = [
-            pb.Score(value=value, status=status.wire, error=error)
+            pb.Score(value=value, status=status.wire, error=error, logs=own)
             if value is not None and status == Status.OK
-            else pb.Score(status=status.wire, error=error)
-            for value, status, error in zip(result.values, result.statuses, result.errors)
+            else pb.Score(status=status.wire, error=error, logs=own)
+            for value, status, error, own in zip(result.values, result.statuses, result.errors, alone)
         ]
         logs = result.logs
         if result.dropped:

@@ -287,3 +287,23 @@ def test_a_config_without_a_base_image_scores_where_no_registry_answers(write_co
     # the sandbox image was built on the chosen base: it holds that base's layers
     base_layers = docker_client.images.get(expected).attrs["RootFS"]["Layers"]
     assert image.attrs["RootFS"]["Layers"][: len(base_layers)] == base_layers
+
+
+PRINTS = """
+def shout(prompt, completion, example):
+    print(f"saw {completion}")
+    return float(len(completion))
+"""
+
+
+def test_what_a_reward_prints_comes_back_per_sample_where_it_ran_alone(docker_sandboxes):
+    s = docker_sandboxes([{"name": "shout", "code": PRINTS},
+                          {"name": "shout_worker", "file": "shout.py", "function": "shout", "isolation": "worker",
+                           "workers": 1}])
+    completions = [f"c{i}" for i in range(12)] + ["<script>alert(1)</script>"]
+    report = run(s["shout"].client.score(build_samples(["p"] * 13, completions, {})))
+    assert report.sample_logs == [f"saw {c}\n" for c in completions]
+    assert sorted(report.logs.splitlines()) == sorted(f"saw {c}" for c in completions)
+    # a worker that scores the batch in one request: the output is the batch's only
+    together = run(s["shout_worker"].client.score(build_samples(["p"] * 13, completions, {})))
+    assert together.sample_logs == [""] * 13 and together.logs == "".join(f"saw {c}\n" for c in completions)
