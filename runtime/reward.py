@@ -40,6 +40,9 @@ class SandboxedReward:
         self.__name__ = client.reward.name
         self.__qualname__ = self.__name__
         self.listeners: list[Callable[[ScoreReport, Optional[pb.TrainerState]], None]] = []
+        # Called with (name, report, trainer_state, prompts, completions, columns, completion_ids) after each batch:
+        # the run record (rewardbox.record.RunRecorder.observe).
+        self.recorders: list[Callable[..., None]] = []
         self.last_report: Optional[ScoreReport] = None
 
     @property
@@ -68,6 +71,7 @@ class SandboxedReward:
         **kwargs: Any,
     ) -> list:
         columns = {k: v for k, v in kwargs.items() if k not in TRL_RESERVED}
+        all_ids = completion_ids
         if self.style == "batch":
             problem = column_problem(columns)
             if problem:  # the same every step: found at start-up by check_columns where the dataset is known
@@ -80,6 +84,11 @@ class SandboxedReward:
         report = await self.client.score(samples, state)
         self.last_report = report
         self._report(report, state, log_metric)
+        for recorder in self.recorders:
+            try:
+                recorder(self.__name__, report, trainer_state, prompts, completions, columns, all_ids)
+            except Exception:  # noqa: BLE001 - the record must never stop training
+                log.exception("reward %s: the run record failed", self.__name__)
         if log_extra is not None:
             # A column of TRL's completions table: which completions fell back, and why.
             log_extra(f"{self.__name__}_status", [

@@ -1,5 +1,5 @@
-"""Trainer callbacks: what each reward printed (reward_logs.jsonl), the reward plot (rewards.png), and hot
-reloading of edited reward files between steps."""
+"""Trainer callbacks: the run record (record.sqlite, for ``rewardbox report``), what each reward printed
+(reward_logs.jsonl), the reward plot (rewards.png), and hot reloading of edited reward files between steps."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from transformers import TrainerCallback
 
 from ..client import ScoreReport
 from ..errors import RewardboxError, RewardLoadError
+from ..record import FILENAME as RECORD_FILENAME
+from ..record import RunRecorder, file_digest
 from ..session import RewardSandboxes
 from ..wire import Status
 
@@ -78,6 +80,50 @@ def plot_rewards(log_history: list[dict], names: list[str], path: Path) -> Optio
     return path
 
 
+class RunRecordCallback(TrainerCallback):
+    """Writes the run record (:mod:`rewardbox.record`) of a ``GRPOTrainer`` whose rewards are ``sandboxes``'s:
+    ``GRPOTrainer(..., reward_funcs=sandboxes.rewards, callbacks=[RunRecordCallback(sandboxes)])``. The file is
+    ``record.sqlite`` in the trainer's ``output_dir`` unless ``path`` says otherwise; open it with
+    ``rewardbox report OUTPUT_DIR``."""
+
+    def __init__(self, sandboxes: RewardSandboxes, path: Optional[Path] = None):
+        self.sandboxes = sandboxes
+        self.path = path
+        self.recorder: Optional[RunRecorder] = None
+
+    def on_train_begin(self, args, state, control, processing_class=None, **kwargs):
+        if self.recorder is not None:
+            return
+        rewards = self.sandboxes.rewards
+        weights = list(args.reward_weights) if getattr(args, "reward_weights", None) else [1.0] * len(rewards)
+        config = self.sandboxes.config
+        versions = {r.name: file_digest(config.source_path(r)) for r in config.rewards}
+        self.recorder = RunRecorder(Path(self.path or Path(args.output_dir) / RECORD_FILENAME),
+                                    [(r.name, w) for r, w in zip(rewards, weights)],
+                                    num_generations=getattr(args, "num_generations", 1) or 1,
+                                    rank=getattr(args, "process_index", 0), tokenizer=processing_class,
+                                    versions=versions)
+        for reward in rewards:
+            reward.recorders.append(self.recorder.observe)
+
+    def new_version(self, name: str, digest: str, step: int) -> None:
+        """A reward's edited file was loaded at ``step`` (from RewardReloadCallback)."""
+        if self.recorder is not None:
+            self.recorder.new_version(name, digest[:12], step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.close()
+
+    def close(self) -> None:
+        """Writes what is queued and closes the record (idempotent)."""
+        if self.recorder is not None:
+            for reward in self.sandboxes.rewards:
+                if self.recorder.observe in reward.recorders:
+                    reward.recorders.remove(self.recorder.observe)
+            self.recorder.close()
+            self.recorder = None
+
+
 class RewardPlotCallback(TrainerCallback):
     def __init__(self, path: Path, names: list[str]):
         self.path, self.names = path, names
@@ -111,9 +157,10 @@ class RewardReloadCallback(TrainerCallback):
     A file that no longer loads keeps the previous version serving; both outcomes are logged with the step.
     """
 
-    def __init__(self, sandboxes: RewardSandboxes, reward_log: Optional[RewardLog] = None):
+    def __init__(self, sandboxes: RewardSandboxes, reward_log: Optional[RewardLog] = None, on_reload=None):
         self.sandboxes = sandboxes
         self.reward_log = reward_log
+        self.on_reload = on_reload  # called with (name, new digest, step) after a reload
         self._paths = {r.name: sandboxes.config.source_path(r) for r in sandboxes.config.rewards}
         self._seen = {name: (_mtime(path), _digest(path)) for name, path in self._paths.items()}
 
@@ -146,6 +193,8 @@ class RewardReloadCallback(TrainerCallback):
             self._seen[name] = (new_mtime, new_digest)
             log.warning("reward %s reloaded from its edited file at step %d", name, step)
             self._event(step, name, "reloaded", new_digest[:12])
+            if self.on_reload is not None:
+                self.on_reload(name, new_digest, step)
             reloaded.append(name)
         return reloaded
 

@@ -17,7 +17,7 @@ from ..image import default_cache_dir
 from ..session import RewardSandboxes
 from ..spec import Where
 
-from .callbacks import RewardLog, RewardPlotCallback, RewardReloadCallback
+from .callbacks import RewardLog, RewardPlotCallback, RewardReloadCallback, RunRecordCallback
 from .config import BUILTIN_TINY, DatasetSection, ModelSection, TrainConfig, load_train_config
 
 log = logging.getLogger("rewardbox")
@@ -154,6 +154,7 @@ def train(
     if in_process:
         return _train_in_process(cfg, args, train_ds, eval_ds, state, callbacks)
     sandboxes = RewardSandboxes(cfg, backend=backend)
+    record = RunRecordCallback(sandboxes)
     try:
         # On each node the local rank 0 builds the images first; that node's other ranks then find them cached.
         # (Images live in each node's engine, so every node builds its own, once.) Ranks do not share containers.
@@ -176,7 +177,7 @@ def train(
         trainer = GRPOTrainer(
             model=model, processing_class=tokenizer, reward_funcs=sandboxes.rewards, args=args,
             train_dataset=train_ds, eval_dataset=eval_ds, peft_config=peft_config,
-            callbacks=[RewardReloadCallback(sandboxes, reward_log),
+            callbacks=[record, RewardReloadCallback(sandboxes, reward_log, on_reload=record.new_version),
                        RewardPlotCallback(output_dir / "rewards.png", names), *callbacks],
         )
         trainer.train()
@@ -190,6 +191,7 @@ def train(
         return TrainResult(output_dir=output_dir, log_history=trainer.state.log_history, trainer=trainer,
                            is_main_process=state.is_main_process)
     finally:
+        record.close()  # what was scored before an error stays in the record
         sandboxes.stop()
 
 

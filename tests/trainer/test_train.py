@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -101,6 +102,29 @@ def test_training_with_docker_sandboxes_end_to_end(tmp_path, docker_client, base
         assert h["sandbox/slow/fallback_rate"] == h["sandbox/slow/timeout_rate"]
         assert h["rewards/slow/mean"] == pytest.approx(1.0 - h["sandbox/slow/timeout_rate"])
 
+    # the run record holds every completion with both scores, statuses and each sample's own output
+    db = sqlite3.connect(out / "record.sqlite")
+    rows = db.execute("SELECT c.step, c.position, c.text, c.tokens, c.total, c.advantage, s.value, s.status, s.error, "
+                      "s.logs, s.version, t.value, t.status, t.error FROM completions c "
+                      "JOIN scores s ON s.completion_id = c.id AND s.reward = 'shape' "
+                      "JOIN scores t ON t.completion_id = c.id AND t.reward = 'slow' ORDER BY c.id").fetchall()
+    assert [r[0] for r in rows] == [0] * 4 + [1] * 4 + [2] * 4
+    for step, h in enumerate(history):
+        assert sum(r[6] for r in rows if r[0] == step) / 4 == pytest.approx(h["rewards/shape/mean"])
+        assert sum(r[11] for r in rows if r[0] == step) / 4 == pytest.approx(h["rewards/slow/mean"])
+        group = [r[5] for r in rows if r[0] == step]
+        assert sum(group) == pytest.approx(0.0, abs=1e-6)  # advantages of one group center on zero
+    for (_, _, text, tokens, total, _, shape, status, _, logs, version, slow, slow_status, slow_error) in rows:
+        assert shape == float(len(text) % 3) and status == "ok" and version == "v1"
+        assert total == pytest.approx(shape + slow)  # weights 1 and 1
+        assert re.fullmatch(r"scored-in-sandbox uid=\d+\n", logs)  # its own print, not the batch's
+        assert 0 < tokens <= 8
+        assert (slow_status, slow) == ("ok", 1.0) or (slow_status == "timeout" and slow == 0.0 and slow_error)
+    assert {r[12] for r in rows} == {"ok", "timeout"}
+    prompts = db.execute("SELECT text, columns FROM prompts").fetchall()
+    assert prompts and all("What is" in text and '"answer"' in columns for text, columns in prompts)
+    db.close()
+
     # LoRA weights changed (lora_B starts at zero) and everything was saved
     weights = load_file(out / "adapter_model.safetensors")
     lora_b = [t for name, t in weights.items() if "lora_B" in name]
@@ -138,6 +162,12 @@ def test_editing_a_reward_file_mid_run_takes_effect_from_the_next_step(tmp_path,
                    callbacks=[EditRewardFile(tmp_path / source, edits)])
     means = [h["rewards/live/mean"] for h in result.log_history if "rewards/live/mean" in h]
     assert means == [1.0, 1.0, 5.0, 5.0, 5.0]
+    # the record labels each score with the version of the file that made it; the broken edit made none
+    db = sqlite3.connect(result.output_dir / "record.sqlite")
+    assert db.execute("SELECT version, first_step FROM versions ORDER BY version").fetchall() == [("v1", 0), ("v2", 2)]
+    by_step = db.execute("SELECT c.step, s.version, AVG(s.value) FROM scores s JOIN completions c "
+                         "ON c.id = s.completion_id GROUP BY c.step ORDER BY c.step").fetchall()
+    assert by_step == [(0, "v1", 1.0), (1, "v1", 1.0), (2, "v2", 5.0), (3, "v2", 5.0), (4, "v2", 5.0)]
     events = [r for r in reward_log(result.output_dir) if "event" in r]
     assert [(e["event"], e["step"]) for e in events] == [("reloaded", 2), ("reload_failed", 3)]
     assert "SyntaxError" in events[1]["detail"]
