@@ -17,7 +17,7 @@ from rich.logging import RichHandler
 from rich.table import Table
 
 from .base_image import OFFLINE_BASE
-from .errors import RewardboxError
+from .errors import ConfigError, RewardboxError
 from .reward import SandboxedReward
 from .samples import samples_from_rows
 from .session import RewardSandboxes
@@ -376,6 +376,36 @@ def serve(
     except ValueError as e:  # pydantic's ValidationError for --backend
         raise fail(f"--backend: {e}") from None
     out_console.print("stopped; all sandboxes were removed")
+
+
+@app.command()
+def report(
+    output_dir: Path = typer.Argument(..., help="a training run's output_dir (or its record.sqlite)"),
+    listen: str = typer.Option("127.0.0.1:8050", help="HOST:PORT; other than loopback needs a token"),
+    token_env: str = typer.Option("REWARDBOX_REPORT_TOKEN", help="environment variable holding the token every "
+                                  "request must carry (required to listen beyond loopback)"),
+) -> None:
+    """Serve the run report: reward graphs, completions side by side across steps, reward logs per sample,
+    search, reward-hacking signals. Live while training writes the record; read-only."""
+    from .report import RecordError, make_server
+
+    token = os.environ.get(token_env) or None
+    try:
+        server = make_server(output_dir, listen, token)
+    except (RecordError, ConfigError) as e:
+        raise fail(str(e)) from None
+    except OSError as e:
+        raise fail(f"--listen {listen}: cannot listen there ({e}); pick another port") from None
+    host, port = server.server_address[:2]
+    address = f"http://{'[' + host + ']' if ':' in host else host}:{port}/"
+    out_console.print(f"rewardbox report on {address}{'?token=<the token>' if token else ''} (Ctrl-C stops it)")
+    _sigterm_as_interrupt()
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
 
 
 @app.command("sandbox-server")

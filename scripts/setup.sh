@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything a fresh Debian/Ubuntu machine needs for rewardbox: the Docker engine (started if not running),
-# debootstrap for the offline base image, and the Python package with its train and dev extras.
+# debootstrap for the offline base image, Chromium for the report's browser tests, and the Python package with its
+# train and dev extras.
 # Idempotent: each step is skipped when already done. Fails loudly when a step cannot be done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +13,8 @@ need_apt=()
 command -v dockerd >/dev/null 2>&1 || need_apt+=(docker.io)
 command -v debootstrap >/dev/null 2>&1 || need_apt+=(debootstrap)
 command -v runsc >/dev/null 2>&1 || need_apt+=(runsc)  # gVisor, for `sandbox.runtime: runsc`
+# The browser the report's tests drive (playwright with executable_path: its own download cannot work offline)
+command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "installing ${need_apt[*]} from Debian packages"
   as_root apt-get update -qq
