@@ -333,6 +333,8 @@ class Handler(BaseHTTPRequestHandler):
         try:
             if url.path in STATIC or url.path == "/plotly.min.js":
                 self._static(url.path, extra)
+            elif url.path == "/favicon.ico":
+                self._send(HTTPStatus.NO_CONTENT, b"", "image/x-icon")
             elif url.path.startswith("/api/"):
                 self._api(url.path[5:], params)
             else:
