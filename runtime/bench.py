@@ -14,7 +14,8 @@
     ``run_tests`` sandboxed (``isolation: sample``, ``workers: 2``) under runc and gVisor, versus the naive reward
     (``subprocess.run`` per test) in-process on a pool of 2 threads, and versus one ``docker run`` per sample, 2 at
     a time; beside open-r1's published E2B figure;
-(h) ``isolation: sample`` at real batch sizes (1,024 and 4,096 completions): see :mod:`.bench_isolation`.
+(h) ``isolation: sample`` at real batch sizes (1,024 and 4,096 completions): see :mod:`.bench_isolation`;
+(r) the run record's cost and size, and the report's views on 100,000 completions: see :mod:`.bench_report`.
 Targets are printed beside the figures, never asserted.
 """
 
@@ -102,7 +103,7 @@ def _batch_times(reward, samples: list, iterations: int, pace_s: float) -> list[
     return asyncio.run(batches())
 
 
-PARTS = "abcdefgh"
+PARTS = "abcdefghr"
 WORKER = "isolation: worker"
 
 
@@ -178,6 +179,10 @@ def run_bench(base_image: str, iterations: int = 200, progress: Callable[[str], 
 
             figures.extend(isolation_figures(client, directory / "h", base_image, _config, _backend, progress,
                                              Figure, REWARDS))
+        if "r" in parts:
+            from .bench_report import report_figures
+
+            figures.extend(report_figures(directory / "r", base_image, progress, Figure))
     return figures
 
 

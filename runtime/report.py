@@ -103,10 +103,9 @@ class Record:
             variance = max(0.0, (row.pop("total_sq") or 0.0) - (row["total"] or 0.0) ** 2)
             row["total_std"] = math.sqrt(variance * row["n"] / (row["n"] - 1)) if row["n"] > 1 else 0.0
         per_reward = self.rows(
-            "SELECT c.step, s.reward, AVG(s.value) AS mean, "
-            + ", ".join(f"SUM(s.status = '{st}') AS {st}" for st in STATUSES)
-            + ", COUNT(*) AS n FROM scores s JOIN completions c ON c.id = s.completion_id "
-              "GROUP BY c.step, s.reward ORDER BY c.step")
+            "SELECT step, reward, AVG(value) AS mean, "
+            + ", ".join(f"SUM(status = '{st}') AS {st}" for st in STATUSES)
+            + ", COUNT(*) AS n FROM scores GROUP BY reward, step ORDER BY step")
         latency = self.rows("SELECT step, reward, AVG(latency_s) AS latency_s FROM calls GROUP BY step, reward "
                             "ORDER BY step")
         return {"steps": steps, "rewards": per_reward, "latency": latency, "versions": self.meta()["versions"]}
@@ -215,8 +214,13 @@ class Record:
         """Patterns a person would otherwise hunt for; each names the completions concerned (at most 500 ids)."""
         found = []
         rewards = [r["name"] for r in self.meta()["rewards"]]
-        bounds = {r["reward"]: (r["lo"], r["hi"]) for r in self.rows(
-            "SELECT reward, MIN(value) AS lo, MAX(value) AS hi FROM scores WHERE status = 'ok' GROUP BY reward")}
+        bounds = {}
+        for name in rewards:  # each MIN and MAX is one look-up in the (reward, status, value) index
+            lo = self.db().execute("SELECT MIN(value) FROM scores WHERE reward = ? AND status = 'ok'", (name,))
+            hi = self.db().execute("SELECT MAX(value) FROM scores WHERE reward = ? AND status = 'ok'", (name,))
+            bounds[name] = (lo.fetchone()[0], hi.fetchone()[0])
+            if bounds[name][0] is None:
+                del bounds[name]
         for a in rewards:
             for b in rewards:
                 if a == b or a not in bounds or b not in bounds or bounds[a][0] == bounds[a][1] \
@@ -236,8 +240,7 @@ class Record:
             found.append({"kind": "identical", "title": f"the same completion for {d['prompts']} different "
                           f"prompts: {d['text'][:80]!r}", "ids": [int(i) for i in d["ids"].split(",")][:500]})
         means = {}
-        for row in self.rows("SELECT c.step, s.reward, AVG(s.value) AS mean FROM scores s JOIN completions c "
-                             "ON c.id = s.completion_id GROUP BY s.reward, c.step ORDER BY c.step"):
+        for row in self.rows("SELECT step, reward, AVG(value) AS mean FROM scores GROUP BY reward, step ORDER BY step"):
             means.setdefault(row["reward"], []).append((row["step"], row["mean"]))
         for reward, series in means.items():
             values = [m for _, m in series if m is not None]
