@@ -90,38 +90,76 @@ class RunRecordCallback(TrainerCallback):
         self.sandboxes = sandboxes
         self.path = path
         self.recorder: Optional[RunRecorder] = None
+        self._make = None  # other ranks open the record at their first batch (see on_train_begin)
+        self._versions: list = []  # reloads seen before the record was open
 
     def on_train_begin(self, args, state, control, processing_class=None, **kwargs):
-        if self.recorder is not None:
+        if self.recorder is not None or self._make is not None:
             return
         rewards = self.sandboxes.rewards
         weights = list(args.reward_weights) if getattr(args, "reward_weights", None) else [1.0] * len(rewards)
         config = self.sandboxes.config
         versions = {r.name: file_digest(config.source_path(r)) for r in config.rewards}
-        self.recorder = RunRecorder(Path(self.path or Path(args.output_dir) / RECORD_FILENAME),
-                                    [(r.name, w) for r, w in zip(rewards, weights)],
-                                    num_generations=getattr(args, "num_generations", 1) or 1,
-                                    rank=getattr(args, "process_index", 0), tokenizer=processing_class,
-                                    versions=versions)
+        path = Path(self.path or Path(args.output_dir) / RECORD_FILENAME)
+        if state.is_world_process_zero and state.global_step == 0:
+            set_aside(path)  # a new run: an earlier run's record in this directory is kept beside, not mixed in
+
+        def make() -> RunRecorder:
+            return RunRecorder(path, [(r.name, w) for r, w in zip(rewards, weights)],
+                               num_generations=getattr(args, "num_generations", 1) or 1,
+                               rank=getattr(args, "process_index", 0), tokenizer=processing_class, versions=versions)
+
+        if state.is_world_process_zero:
+            self.recorder = make()
+        else:
+            # Opened at the first batch: by then the main process has started training (generation gathers
+            # across ranks), so it has set an earlier record aside before this rank writes.
+            self._make = make
         for reward in rewards:
-            reward.recorders.append(self.recorder.observe)
+            reward.recorders.append(self._observe)
+
+    def _observe(self, *args) -> None:
+        if self.recorder is None:
+            if self._make is None:
+                return
+            self.recorder, self._make = self._make(), None
+            for version in self._versions:
+                self.recorder.new_version(*version)
+        self.recorder.observe(*args)
 
     def new_version(self, name: str, digest: str, step: int) -> None:
         """A reward's edited file was loaded at ``step`` (from RewardReloadCallback)."""
         if self.recorder is not None:
             self.recorder.new_version(name, digest[:12], step)
+        else:
+            self._versions.append((name, digest[:12], step))
 
     def on_train_end(self, args, state, control, **kwargs):
         self.close()
 
     def close(self) -> None:
         """Writes what is queued and closes the record (idempotent)."""
+        for reward in self.sandboxes.rewards:
+            if self._observe in reward.recorders:
+                reward.recorders.remove(self._observe)
+        self._make = None
         if self.recorder is not None:
-            for reward in self.sandboxes.rewards:
-                if self.recorder.observe in reward.recorders:
-                    reward.recorders.remove(self.recorder.observe)
             self.recorder.close()
             self.recorder = None
+
+
+def set_aside(path: Path) -> Optional[Path]:
+    """Renames a record (and its WAL files) to ``record.<time it was last written>.sqlite``; returns the new name."""
+    if not path.exists():
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
+    target = path.with_name(f"{path.stem}.{stamp}{path.suffix}")
+    for suffix in ("", "-wal", "-shm"):
+        old = path.with_name(path.name + suffix)
+        if old.exists():
+            old.rename(target.with_name(target.name + suffix))
+    log.info("an earlier run's record is kept as %s", target)
+    return target
 
 
 class RewardPlotCallback(TrainerCallback):
