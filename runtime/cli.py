@@ -270,9 +270,9 @@ def train(
         out_console.print(f"{len(rewards)} steps; mean total reward of the first {k} steps: "
                           f"{sum(rewards[:k]) / k:.3f}, of the last {k}: {sum(rewards[-k:]) / k:.3f}")
     out_console.print(f"saved to {result.output_dir} (adapter, tokenizer, record.sqlite, reward_logs.jsonl, "
-                      "rewards.png)")
+                      "rewards.png)", soft_wrap=True)
     if (result.output_dir / "record.sqlite").exists():
-        out_console.print(f"every completion, score and print: rewardbox report {result.output_dir}")
+        out_console.print(f"every completion, score and print: rewardbox report {result.output_dir}", soft_wrap=True)
 
 
 @app.command()
