@@ -186,7 +186,9 @@ class RunRecorder:
                 columns: dict, completion_ids: Optional[Sequence[Sequence[int]]] = None) -> None:
         """One reward's report of a batch (from :class:`~rewardbox.reward.SandboxedReward`)."""
         step = int(getattr(trainer_state, "global_step", 0) or 0)
-        key = (step, id(completions), len(completions))
+        # The same batch, whichever reward reports it (TRL passes every reward the same lists; callers of their
+        # own may pass copies): its step and its completions.
+        key = (step, len(completions), hash(tuple(c if isinstance(c, str) else repr(c) for c in completions)))
         with self._lock:
             version = self._versions.get(name, ("v1", ""))[0]
             parts = self._pending.setdefault(key, {})

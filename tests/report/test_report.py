@@ -275,3 +275,36 @@ def test_a_token_is_required_on_every_request_when_set(run_dir):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_new_steps_appear_without_a_reload(page, run_dir):
+    page.goto(page.base + "/#graphs")
+    page.wait_for_selector("#chart-total .main-svg")
+    before = page.evaluate("document.getElementById('chart-total').data[0].x.length")
+    # another rank of the run writes one more step while the page is open
+    from types import SimpleNamespace
+
+    from rewardbox.client import ScoreReport
+    from rewardbox.record import RunRecorder
+    from rewardbox.wire import Status
+
+    recorder = RunRecorder(run_dir / "record.sqlite", [("shape", 1.0), ("picky", 0.5)], num_generations=4, rank=1)
+    state = SimpleNamespace(global_step=STEPS + 10, epoch=1.0)
+    for name in ("shape", "picky"):
+        recorder.observe(name, ScoreReport(name=name, values=[1.0] * 4, statuses=[Status.OK] * 4,
+                                           errors=[None] * 4, sample_logs=["late\n"] * 4),
+                         state, ["a late prompt"] * 4, ["late"] * 4, {})
+    recorder.close()
+    page.wait_for_function(f"document.getElementById('chart-total').data[0].x.length === {before + 1}",
+                           timeout=10_000)
+    assert str(STEPS + 10) in page.text_content("#status")
+
+
+def test_a_record_of_another_schema_says_so(tmp_path):
+    db = sqlite3.connect(tmp_path / "record.sqlite")
+    db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+    db.execute("INSERT INTO meta VALUES ('schema_version', '0')")
+    db.commit()
+    db.close()
+    with pytest.raises(RecordError, match="schema version 0; this rewardbox reads version 1"):
+        make_server(tmp_path, "127.0.0.1:0")
