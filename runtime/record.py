@@ -83,7 +83,9 @@ CREATE INDEX IF NOT EXISTS scores_step ON scores(reward, step, value, status);
 def connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
     """A connection to a record: read-only (``rewardbox report``) or the writer's (WAL, waits for other ranks)."""
     if readonly:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False, timeout=5)
+        db = sqlite3.connect(Path(path).resolve().as_uri() + "?mode=ro", uri=True, check_same_thread=False,
+                             timeout=5)
+        db.execute("PRAGMA query_only=ON")
     else:
         db = sqlite3.connect(path, check_same_thread=False, timeout=30)
         db.execute("PRAGMA journal_mode=WAL")
@@ -122,12 +124,16 @@ def totals_and_advantages(rows: list, weights: list, group: int) -> tuple[list, 
     totals = []
     for values in rows:
         present = [w * v for w, v in zip(weights, values) if v is not None and not math.isnan(v)]
-        totals.append(sum(present) if present else None)
+        total = sum(present) if present else None
+        totals.append(total if total is None or math.isfinite(total) else None)  # 1e308 * 2: no total
     advantages: list = [None] * len(totals)
     if group > 1 and totals and len(totals) % group == 0:
         for start in range(0, len(totals), group):
             block = [t if t is not None else 0.0 for t in totals[start:start + group]]
-            mean, std = statistics.fmean(block), statistics.stdev(block)
+            try:
+                mean, std = statistics.fmean(block), statistics.stdev(block)
+            except (OverflowError, ValueError):  # totals too large to square: no advantage for this group
+                continue
             for k, total in enumerate(block):
                 advantages[start + k] = (total - mean) / (std + SCALE_EPSILON)
     return totals, advantages

@@ -20,9 +20,11 @@ import ipaddress
 import json
 import math
 import mimetypes
+import socket
 import sqlite3
 import statistics
 import threading
+import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
@@ -34,6 +36,9 @@ from .errors import ConfigError
 from .record import FILENAME, SCHEMA_VERSION, connect
 
 PAGE_LIMIT = 200
+MAX_QUERY = 200  # characters of a text search
+QUERY_DEADLINE_S = 5.0  # a query that runs longer is stopped (its request answers 503)
+INT64 = 2 ** 63 - 1
 EXPORT_LIMIT = 100_000
 STATIC = {"/": "index.html", "/app.js": "app.js", "/app.css": "app.css"}
 CSP = ("default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
@@ -71,6 +76,8 @@ class Record:
         db = getattr(self._local, "db", None)
         if db is None:
             db = self._local.db = connect(self.path, readonly=True)
+        self._local.deadline = time.monotonic() + QUERY_DEADLINE_S
+        db.set_progress_handler(lambda: int(time.monotonic() > self._local.deadline), 10_000)
         return db
 
     def rows(self, sql: str, params: tuple = ()) -> list[dict]:
@@ -100,8 +107,13 @@ class Record:
         steps = self.rows("SELECT step, AVG(total) AS total, COUNT(*) AS n, "
                           "AVG(total * total) AS total_sq FROM completions GROUP BY step ORDER BY step")
         for row in steps:
-            variance = max(0.0, (row.pop("total_sq") or 0.0) - (row["total"] or 0.0) ** 2)
-            row["total_std"] = math.sqrt(variance * row["n"] / (row["n"] - 1)) if row["n"] > 1 else 0.0
+            try:
+                variance = max(0.0, (row.pop("total_sq") or 0.0) - (row["total"] or 0.0) ** 2)
+                row["total_std"] = math.sqrt(variance * row["n"] / (row["n"] - 1)) if row["n"] > 1 else 0.0
+            except OverflowError:
+                row["total_std"] = None
+            if not _finite(row["total_std"]):
+                row["total_std"] = None
         per_reward = self.rows(
             "SELECT step, reward, AVG(value) AS mean, "
             + ", ".join(f"SUM(status = '{st}') AS {st}" for st in STATUSES)
@@ -117,8 +129,8 @@ class Record:
                    "steps": "steps"}
         key = columns.get(sort, "last_step")
         direction = "ASC" if order == "asc" else "DESC"
-        where, params = ("WHERE p.text LIKE ? OR p.columns LIKE ? OR p.id = ?", (f"%{q}%", f"%{q}%", q)) if q \
-            else ("", ())
+        where, params = ("WHERE p.text LIKE ? ESCAPE '\\' OR p.columns LIKE ? ESCAPE '\\' OR p.id = ?",
+                         (like(q), like(q), q[:MAX_QUERY])) if q else ("", ())
         total = self.db().execute(f"SELECT COUNT(*) FROM prompts p {where}", params).fetchone()[0]
         rows = self.rows(
             "SELECT p.id, substr(p.text, 1, 400) AS text, p.tokens, p.columns, COUNT(c.id) AS completions, "
@@ -151,11 +163,11 @@ class Record:
     def _filters(self, params: dict) -> tuple[str, tuple]:
         clauses, values = [], []
         if params.get("q"):
-            clauses.append("c.text LIKE ?")
-            values.append(f"%{params['q']}%")
+            clauses.append("c.text LIKE ? ESCAPE '\\'")
+            values.append(like(params["q"]))
         if params.get("step") not in (None, ""):
             clauses.append("c.step = ?")
-            values.append(int(params["step"]))
+            values.append(_bounded(int(params["step"])))
         for bound, op in (("min_total", ">="), ("max_total", "<=")):
             if params.get(bound) not in (None, ""):
                 clauses.append(f"c.total {op} ?")
@@ -171,7 +183,7 @@ class Record:
             clauses.append(f"EXISTS (SELECT 1 FROM scores s WHERE {' AND '.join(sub)})")
             values += sub_values
         if params.get("ids"):
-            ids = [int(i) for i in str(params["ids"]).split(",")[:PAGE_LIMIT * 5] if i.strip().isdigit()]
+            ids = [_bounded(int(i)) for i in str(params["ids"]).split(",")[:PAGE_LIMIT * 5] if i.strip().isdigit()]
             clauses.append(f"c.id IN ({','.join('?' * len(ids)) or 'NULL'})")
             values += ids
         return ("WHERE " + " AND ".join(clauses)) if clauses else "", tuple(values)
@@ -196,10 +208,10 @@ class Record:
                 values.append(params[name])
         if params.get("step") not in (None, ""):
             clauses.append("c.step = ?")
-            values.append(int(params["step"]))
+            values.append(_bounded(int(params["step"])))
         if params.get("q"):
-            clauses.append("(s.logs LIKE ? OR s.error LIKE ? OR k.logs LIKE ?)")
-            values += [f"%{params['q']}%"] * 3
+            clauses.append("(s.logs LIKE ? ESCAPE '\\' OR s.error LIKE ? ESCAPE '\\' OR k.logs LIKE ? ESCAPE '\\')")
+            values += [like(params["q"])] * 3
         where = ("WHERE " + " AND ".join(clauses)) if clauses else ""
         base = ("FROM scores s JOIN completions c ON c.id = s.completion_id "
                 "LEFT JOIN calls k ON k.rank = c.rank AND k.batch = c.batch AND k.reward = s.reward")
@@ -243,7 +255,8 @@ class Record:
         for row in self.rows("SELECT step, reward, AVG(value) AS mean FROM scores GROUP BY reward, step ORDER BY step"):
             means.setdefault(row["reward"], []).append((row["step"], row["mean"]))
         for reward, series in means.items():
-            values = [m for _, m in series if m is not None]
+            series = [(s, m) for s, m in series if _finite(m)]
+            values = [m for _, m in series]
             if len(values) < 3:
                 continue
             spread = statistics.pstdev([b - a for a, b in zip(values, values[1:])]) or 0.0
@@ -275,7 +288,32 @@ class Record:
             scores = self._scores_of([r["id"] for r in rows])
             for r in rows:
                 r["scores"] = scores.get(r["id"], {})
-                yield (json.dumps(r, ensure_ascii=False) + "\n").encode()
+                yield (json.dumps(_clean(r), ensure_ascii=False, allow_nan=False) + "\n").encode()
+
+
+def _bounded(number: int) -> int:
+    return max(-INT64, min(INT64, number))
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def like(text: str) -> str:
+    """A LIKE pattern that finds ``text`` (at most MAX_QUERY characters) anywhere, its own % and _ literal."""
+    text = str(text)[:MAX_QUERY]
+    return "%" + text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+
+
+def _clean(value):
+    """JSON has no NaN or infinity: a non-finite number (a reward can return 1e308) goes out as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
 
 
 def _int(params: dict, name: str, default: int, high: int) -> int:
@@ -285,10 +323,30 @@ def _int(params: dict, name: str, default: int, high: int) -> int:
         return default
 
 
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]", "::1")
+
+
 class Handler(BaseHTTPRequestHandler):
     record: Record
     token: Optional[str] = None
     server_version = "rewardbox-report"
+    timeout = 30  # an idle connection does not hold its thread for ever
+
+    def _host_allowed(self) -> bool:
+        """Without a token, only requests addressed to a loopback name: a page of another site whose name was made
+        to resolve to 127.0.0.1 (DNS rebinding) sends its own name in Host and gets nothing."""
+        if self.token:
+            return True
+        host = (self.headers.get("Host") or "").strip().lower()
+        if host.startswith("["):
+            host = host[:host.find("]") + 1]
+        else:
+            host = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+        return host in LOOPBACK_NAMES
+
+    @property
+    def cookie(self) -> str:
+        return f"rewardbox_token_{self.server.server_address[1]}"  # one per port: reports of other ports keep theirs
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         pass
@@ -298,8 +356,8 @@ class Handler(BaseHTTPRequestHandler):
             return True
         offered = [params.get("token", ""), self.headers.get("Authorization", "").removeprefix("Bearer ")]
         cookie = self.headers.get("Cookie", "")
-        offered += [part.strip().removeprefix("rewardbox_token=") for part in cookie.split(";")
-                    if part.strip().startswith("rewardbox_token=")]
+        offered += [part.strip().removeprefix(self.cookie + "=") for part in cookie.split(";")
+                    if part.strip().startswith(self.cookie + "=")]
         return any(o and hmac.compare_digest(o.encode(), self.token.encode()) for o in offered)
 
     def _send(self, status: int, body: bytes, kind: str, extra: Optional[dict] = None) -> None:
@@ -316,8 +374,22 @@ class Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(body)
 
+    def _stream(self, chunks, kind: str, extra: dict) -> None:
+        """A body written as it is made (an export of 100,000 completions is never held whole); HTTP/1.0: the
+        connection's end marks the body's."""
+        self.send_response(HTTPStatus.OK)
+        for key, value in {"Content-Type": kind, "Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff",
+                           "Cache-Control": "no-store", **extra}.items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.close_connection = True
+        if self.command == "HEAD":
+            return
+        for chunk in chunks:
+            self.wfile.write(chunk)
+
     def _json(self, value: Any, status: int = 200) -> None:
-        self._send(status, json.dumps(value, ensure_ascii=False, allow_nan=False, default=str).encode(),
+        self._send(status, json.dumps(_clean(value), ensure_ascii=False, allow_nan=False, default=str).encode(),
                    "application/json; charset=utf-8")
 
     def do_HEAD(self) -> None:  # noqa: N802 - the base class's name
@@ -326,13 +398,21 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 - the base class's name
         url = urlsplit(self.path)
         params = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        if not self._host_allowed():
+            self._send(HTTPStatus.MISDIRECTED_REQUEST, b"this report answers requests to 127.0.0.1 or localhost only",
+                       "text/plain; charset=utf-8")
+            return
         if not self._authorized(params):
             self._send(HTTPStatus.UNAUTHORIZED, b"a token is required: open the address `rewardbox report` printed",
                        "text/plain; charset=utf-8")
             return
         extra = {}
         if self.token and params.get("token"):
-            extra["Set-Cookie"] = f"rewardbox_token={self.token}; HttpOnly; SameSite=Strict; Path=/"
+            # The token leaves the address bar (and history): a cookie of this port carries it from here on.
+            self._send(HTTPStatus.SEE_OTHER, b"", "text/plain; charset=utf-8", {
+                "Set-Cookie": f"{self.cookie}={self.token}; HttpOnly; SameSite=Strict; Path=/",
+                "Location": url.path + (f"#{url.fragment}" if url.fragment else "")})
+            return
         try:
             if url.path in STATIC or url.path == "/plotly.min.js":
                 self._static(url.path, extra)
@@ -344,8 +424,18 @@ class Handler(BaseHTTPRequestHandler):
                 self._send(HTTPStatus.NOT_FOUND, b"not found", "text/plain; charset=utf-8")
         except RecordError as e:
             self._json({"error": str(e)}, HTTPStatus.SERVICE_UNAVAILABLE)
-        except (ValueError, sqlite3.Error) as e:
-            self._json({"error": f"{type(e).__name__}: {e}"}, HTTPStatus.BAD_REQUEST)
+        except sqlite3.OperationalError as e:
+            if "interrupted" in str(e):
+                self._json({"error": f"the query took over {QUERY_DEADLINE_S:g} s and was stopped: narrow the "
+                                     "filters"}, HTTPStatus.SERVICE_UNAVAILABLE)
+            else:
+                self._json({"error": f"the record could not answer: {e}"}, HTTPStatus.BAD_REQUEST)
+        except (ValueError, OverflowError, sqlite3.Error) as e:
+            self._json({"error": f"a parameter it cannot take: {type(e).__name__}"}, HTTPStatus.BAD_REQUEST)
+        except Exception:  # noqa: BLE001 - no stack trace to the client; the server keeps serving
+            self._json({"error": "the report failed on this request (see the terminal that runs it)"},
+                       HTTPStatus.INTERNAL_SERVER_ERROR)
+            raise
 
     def _static(self, path: str, extra: dict) -> None:
         if path == "/plotly.min.js":
@@ -371,9 +461,8 @@ class Handler(BaseHTTPRequestHandler):
             "signals": record.signals,
         }
         if name == "export":
-            body = b"".join(record.export(params))
-            self._send(HTTPStatus.OK, body, "application/x-ndjson; charset=utf-8",
-                       {"Content-Disposition": 'attachment; filename="completions.jsonl"'})
+            self._stream(record.export(params), "application/x-ndjson; charset=utf-8",
+                         {"Content-Disposition": 'attachment; filename="completions.jsonl"'})
             return
         if name not in routes:
             self._json({"error": f"no such query: {name}"}, HTTPStatus.NOT_FOUND)
@@ -429,6 +518,9 @@ def make_server(output_dir: Path, listen: str = "127.0.0.1:8050", token: Optiona
     host, port = parse_listen(listen, token)
     record = Record(output_dir)
     handler = type("ReportHandler", (Handler,), {"record": record, "token": token})
-    server = ThreadingHTTPServer((host, port), handler)
+    server_class = ThreadingHTTPServer
+    if ":" in host:
+        server_class = type("ReportServer6", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6})
+    server = server_class((host, port), handler)
     server.daemon_threads = True
     return server

@@ -157,15 +157,17 @@ async function openPrompt(id, keepLeft = false) {
 // Word-level differences (longest common subsequence); past a size where that gets slow, none are marked.
 function diff(a, b) {
   const x = a.split(/(\s+)/), y = b.split(/(\s+)/);
-  if (x.length * y.length > 2.5e6) return { left: x.map((t) => [t, false]), right: y.map((t) => [t, false]) };
-  const n = x.length, m = y.length, table = Array.from({ length: n + 1 }, () => new Uint32Array(m + 1));
+  if (a.length > 100000 || b.length > 100000 || (x.length + 1) * (y.length + 1) > 2.5e6)
+    return { left: x.map((t) => [t, false]), right: y.map((t) => [t, false]) };
+  const n = x.length, m = y.length, w = m + 1, cells = new Uint32Array((n + 1) * w);
+  const table = { get: (i, j) => cells[i * w + j] };
   for (let i = n - 1; i >= 0; i--) for (let j = m - 1; j >= 0; j--)
-    table[i][j] = x[i] === y[j] ? table[i + 1][j + 1] + 1 : Math.max(table[i + 1][j], table[i][j + 1]);
+    cells[i * w + j] = x[i] === y[j] ? cells[(i + 1) * w + j + 1] + 1 : Math.max(cells[(i + 1) * w + j], cells[i * w + j + 1]);
   const left = [], right = [];
   let i = 0, j = 0;
   while (i < n && j < m) {
     if (x[i] === y[j]) { left.push([x[i], false]); right.push([y[j], false]); i++; j++; }
-    else if (table[i + 1][j] >= table[i][j + 1]) left.push([x[i++], true]);
+    else if (table.get(i + 1, j) >= table.get(i, j + 1)) left.push([x[i++], true]);
     else right.push([y[j++], true]);
   }
   while (i < n) left.push([x[i++], true]);

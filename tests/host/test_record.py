@@ -61,3 +61,20 @@ def test_a_batch_is_written_once_every_reward_answered_and_an_earlier_run_is_kep
     fresh.close()
     assert sqlite3.connect(path).execute("SELECT COUNT(*) FROM completions").fetchone()[0] == 0
     assert sqlite3.connect(kept).execute("SELECT COUNT(*) FROM completions").fetchone()[0] == 4
+
+
+def test_huge_scores_leave_every_view_answering(tmp_path):
+    import json
+
+    from rewardbox.report import Record, _clean
+
+    recorder = RunRecorder(tmp_path / "record.sqlite", [("a", 2.0)], num_generations=2)
+    for step in range(4):
+        recorder.observe("a", report("a", [1e308, 1e200 if step % 2 else 0.5]), SimpleNamespace(global_step=step),
+                         ["p", "p"], [f"x{step}", "y"], {})
+    recorder.close()
+    record = Record(tmp_path)
+    for view in (record.meta(), record.graphs(), record.prompts(), record.completions({}), record.logs({}),
+                 record.signals(), record.prompt(record.prompts()["rows"][0]["id"])):
+        json.dumps(_clean(view), allow_nan=False)
+    assert [r["total"] for r in record.completions({})["rows"]][:2] in ([2e200, None], [None, 2e200])

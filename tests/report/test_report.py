@@ -8,6 +8,7 @@ and nothing of it may run.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -245,6 +246,12 @@ def get(url: str, **headers) -> tuple[int, bytes, dict]:
 def test_the_server_is_read_only_loopback_by_default_and_says_what_is_wrong(report, run_dir, tmp_path):
     status, body, headers = get(report + "/api/meta")
     assert status == 200 and json.loads(body)["completions"] > 0
+    # a page of another site whose name resolves to 127.0.0.1 (DNS rebinding) sends its own Host: refused
+    assert get(report + "/api/export", Host="rebind.example:8050")[0] == 421
+    assert get(report + "/api/meta", Host="localhost")[0] == 200
+    # parameters it cannot take get a clear error, not a dropped connection
+    status, body, _ = get(report + "/api/completions?step=100000000000000000000000&q=" + "%25" * 300)
+    assert status == 200 and json.loads(body)["total"] == 0
     assert "script-src 'self'" in headers["Content-Security-Policy"]
     request = urllib.request.Request(report + "/api/meta", data=b"{}", method="POST")
     with pytest.raises(urllib.error.HTTPError) as refused:
@@ -269,9 +276,17 @@ def test_a_token_is_required_on_every_request_when_set(run_dir):
         assert get(base + "/")[0] == 401
         assert get(base + "/api/meta", Authorization="Bearer wrong")[0] == 401
         assert get(base + "/api/meta", Authorization="Bearer s3cret-token")[0] == 200
-        status, _, headers = get(base + "/?token=s3cret-token")
-        assert status == 200 and "HttpOnly" in headers["Set-Cookie"]
-        assert get(base + "/api/meta", Cookie="rewardbox_token=s3cret-token")[0] == 200
+        # the token in the address once: a cookie of this port, and the address without it
+        connection = http.client.HTTPConnection("127.0.0.1", server.server_address[1])
+        connection.request("GET", "/?token=s3cret-token")
+        answer = connection.getresponse()
+        cookie = answer.getheader("Set-Cookie")
+        assert answer.status == 303 and answer.getheader("Location") == "/" and "HttpOnly" in cookie
+        connection.close()
+        assert get(base + "/api/meta", Cookie=cookie.split(";")[0])[0] == 200
+        assert get(base + "/api/meta", Cookie="rewardbox_token_1=s3cret-token")[0] == 401  # another port's
+        # any Host is answered with the token; without one, only loopback names are (DNS rebinding)
+        assert get(base + "/api/meta", Host="evil.example", Authorization="Bearer s3cret-token")[0] == 200
     finally:
         server.shutdown()
         server.server_close()
