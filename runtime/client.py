@@ -54,6 +54,8 @@ class ScoreReport:
     # per sample: what the function printed while it scored that sample alone (isolation: sample or process,
     # sample style), else "" (its output is in ``logs`` only)
     sample_logs: list = field(default_factory=list)
+    # per sample: how long the function took on it, as its sandbox measured (None: unknown; see pb.Score.seconds)
+    sample_seconds: list = field(default_factory=list)
     attempts: int = 0
     restarts: int = 0
     workers_replaced: int = 0
@@ -74,6 +76,7 @@ class _Share:
     indices: list
     outcomes: dict = field(default_factory=dict)  # index -> Outcome
     sample_logs: dict = field(default_factory=dict)  # index -> its own output
+    sample_seconds: dict = field(default_factory=dict)  # index -> how long it took
     logs: list = field(default_factory=list)
     attempts: int = 0
     workers_replaced: int = 0
@@ -135,6 +138,7 @@ class RewardClient:
         await asyncio.gather(*(self._score_share(first + i, share, trainer_state) for i, share in enumerate(shares)))
 
         values, statuses, errors, own_logs = [None] * n, [Status.UNAVAILABLE] * n, [None] * n, [""] * n
+        times: list = [None] * n
         logs, attempts, replaced = [], 0, 0
         for share in shares:
             logs.extend(share.logs)
@@ -148,6 +152,7 @@ class RewardClient:
                 errors[i] = error or None
                 values[i] = value if status is _OK else default
                 own_logs[i] = share.sample_logs.get(i, "")
+                times[i] = share.sample_seconds.get(i)
         return ScoreReport(
             name=self.reward.name,
             values=values,
@@ -159,6 +164,7 @@ class RewardClient:
             restarts=sum(r.restarts for r in self.replicas),
             workers_replaced=replaced,
             sample_logs=own_logs,
+            sample_seconds=times,
         )
 
     async def _score_share(self, first: int, share: _Share, trainer_state: Optional[pb.TrainerState]) -> None:
@@ -274,6 +280,8 @@ class RewardClient:
         for item, score in zip(todo, reply.scores):
             if score.logs:
                 share.sample_logs[item[0]] = score.logs
+            if score.HasField("seconds") and math.isfinite(score.seconds):
+                share.sample_seconds[item[0]] = score.seconds
             # Nearly every sample: status ok with a finite value. checked() handles the rest the same way.
             if score.status == _OK_WIRE and score.HasField("value") and isfinite(score.value):
                 outcomes[item[0]] = Outcome(score.value, _OK)

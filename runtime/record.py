@@ -23,9 +23,10 @@ Schema (version :data:`SCHEMA_VERSION`, in ``meta``):
 - ``completions(id, step, epoch, rank, batch, position, prompt_id, text, messages, tokens, total, advantage, time)``:
   ``id`` is the rank in its top 24 bits and a counter below; ``batch`` numbers the reward calls of a rank,
   ``position`` the completion's place in it;
-- ``scores(completion_id, reward, step, version, value, status, error, logs)``: ``step`` repeats the completion's
-  (the graphs aggregate scores without a join); ``value`` after fallbacks (what training used), ``status`` as the sandbox reported it, ``error`` its full traceback, ``logs`` what the reward printed for
-  that sample alone (isolation ``sample``/``process``; "" where it ran with others);
+- ``scores(completion_id, reward, step, version, value, status, error, logs, latency_s)``: ``step`` repeats the
+  completion's (the graphs aggregate scores without a join); ``value`` after fallbacks (what training used), ``status`` as the sandbox reported it, ``error`` its full traceback, ``logs`` what the reward printed for
+  that sample alone (isolation ``sample``/``process``; "" where it ran with others), ``latency_s`` how long the
+  reward took on it as its sandbox measured (the same isolation levels; batch style: the whole call; else NULL);
 - ``calls(rank, batch, reward, step, logs, latency_s, attempts)``: each reward call, with what it printed as a whole
   and how long it took.
 """
@@ -68,7 +69,7 @@ CREATE TABLE IF NOT EXISTS completions (
     tokens INTEGER, total REAL, advantage REAL, time REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS scores (
     completion_id INTEGER NOT NULL REFERENCES completions(id), reward TEXT NOT NULL, step INTEGER NOT NULL,
-    version TEXT NOT NULL, value REAL, status TEXT NOT NULL, error TEXT, logs TEXT NOT NULL,
+    version TEXT NOT NULL, value REAL, status TEXT NOT NULL, error TEXT, logs TEXT NOT NULL, latency_s REAL,
     PRIMARY KEY (completion_id, reward)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS calls (
     rank INTEGER NOT NULL, batch INTEGER NOT NULL, reward TEXT NOT NULL, step INTEGER NOT NULL, logs TEXT NOT NULL,
@@ -277,12 +278,13 @@ class RunRecorder:
             for name in self.names:
                 report, version = parts[name]
                 own = report.sample_logs[i] if i < len(report.sample_logs) else ""
+                took = report.sample_seconds[i] if i < len(report.sample_seconds) else None
                 score_rows.append((cid, name, step, version, report.values[i], str(report.statuses[i]),
-                                   report.errors[i], own))
+                                   report.errors[i], own, took))
         call_rows = [(self.rank, batch, name, step, parts[name][0].logs, parts[name][0].latency_s,
                       parts[name][0].attempts) for name in self.names]
         self._db.executemany("INSERT OR IGNORE INTO prompts VALUES (?, ?, ?, ?, ?, ?)", prompt_rows)
         self._db.executemany("INSERT INTO completions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                              completion_rows)
-        self._db.executemany("INSERT INTO scores VALUES (?, ?, ?, ?, ?, ?, ?, ?)", score_rows)
+        self._db.executemany("INSERT INTO scores VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", score_rows)
         self._db.executemany("INSERT OR REPLACE INTO calls VALUES (?, ?, ?, ?, ?, ?, ?)", call_rows)

@@ -144,7 +144,7 @@ class Record:
         found: dict = {}
         for chunk in range(0, len(ids), 500):
             part = ids[chunk:chunk + 500]
-            for row in self.rows("SELECT completion_id, reward, version, value, status, error FROM scores "
+            for row in self.rows("SELECT completion_id, reward, version, value, status, error, latency_s FROM scores "
                                  f"WHERE completion_id IN ({','.join('?' * len(part))})", tuple(part)):
                 found.setdefault(row.pop("completion_id"), {})[row.pop("reward")] = row
         return found
@@ -217,6 +217,7 @@ class Record:
                 "LEFT JOIN calls k ON k.rank = c.rank AND k.batch = c.batch AND k.reward = s.reward")
         total = self.db().execute(f"SELECT COUNT(*) {base} {where}", tuple(values)).fetchone()[0]
         rows = self.rows("SELECT c.id, c.step, c.prompt_id, s.reward, s.version, s.value, s.status, s.error, "
+                         "s.latency_s, "
                          "s.logs AS own_logs, substr(k.logs, 1, 20000) AS call_logs, "
                          f"substr(c.text, 1, 300) AS text {base} {where} ORDER BY c.id DESC, s.reward "
                          "LIMIT ? OFFSET ?", tuple(values) + (limit, offset))

@@ -216,12 +216,13 @@ class RewardService(pb_grpc.RewardSandboxServicer):
                 self._idle.set()
         scores = []
         own_logs = report.sample_logs or [""] * len(report.values)
-        for value, status, error, own in zip(report.values, report.statuses, report.errors, own_logs):
+        times = report.sample_seconds or [None] * len(report.values)
+        for value, status, error, own, took in zip(report.values, report.statuses, report.errors, own_logs, times):
             if status is _OK:
-                scores.append(pb.Score(value=value, status=status.wire, logs=own) if value is not None
-                              else pb.Score(status=status.wire, logs=own))
+                scores.append(pb.Score(value=value, status=status.wire, logs=own, seconds=took) if value is not None
+                              else pb.Score(status=status.wire, logs=own, seconds=took))
             else:  # the trainer's client applies its own default_score
-                scores.append(pb.Score(status=status.wire, error=error or "", logs=own))
+                scores.append(pb.Score(status=status.wire, error=error or "", logs=own, seconds=took))
         deferred = pb.Score(status=Status.UNAVAILABLE.wire, deferred=True,
                             error=f"max_in_flight={budget.limit} reached; not attempted")
         scores.extend(deferred for _ in range(n - admitted))

@@ -7,7 +7,7 @@ a fixed binary layout, read with a size bound and validated field by field. Noth
 evaluated; a result that does not parse exactly is the samples' ``invalid``, never an exception in the server.
 
     header:   magic "RBX1" | u32 samples | u64 dropped characters | u32 log bytes
-    per sample: u8 status | u8 has value | f64 value | u32 error bytes | error (UTF-8)
+    per sample: u8 status | u8 has value | f64 value | u32 error bytes | f32 seconds (NaN: unknown) | error (UTF-8)
     logs (UTF-8)
 
 Before any of it, the worker writes one byte, ``STARTED``, when it takes the request (before the function runs),
@@ -32,7 +32,8 @@ from .records import ChunkResult, SampleBatch
 STARTED = b"S"
 MAGIC = b"RBX1"
 _HEADER = struct.Struct("<4sIQI")
-_SAMPLE = struct.Struct("<BBdI")
+_SAMPLE = struct.Struct("<BBdIf")
+MAX_SECONDS = 1e6  # a time beyond this (or negative, or not finite) is not taken
 MAX_ERROR_BYTES = 8 * 1024
 LOG_SLACK_BYTES = 4 * 1024  # the "[n more characters dropped]" note and multi-byte characters
 # Statuses a worker may report itself; crash and unavailable are only ever concluded by the server or the host.
@@ -75,13 +76,16 @@ def _utf8(text: str, limit: int) -> bytes:
     return data[:limit]
 
 
-def encode_result(outcomes: Sequence[Outcome], logs: str, dropped: int, max_log_bytes: int) -> bytes:
-    """The worker's answer. Never raises for what the values or texts contain."""
+def encode_result(outcomes: Sequence[Outcome], logs: str, dropped: int, max_log_bytes: int,
+                  seconds: Optional[float] = None) -> bytes:
+    """The worker's answer; ``seconds``: how long the unit took (each of its samples gets it). Never raises for what
+    the values or texts contain."""
     parts = [b""]
+    took = math.nan if seconds is None else min(seconds, MAX_SECONDS)
     for o in outcomes:
         error = _utf8(o.error or "", MAX_ERROR_BYTES)
         has_value = o.value is not None
-        parts.append(_SAMPLE.pack(o.status.wire, has_value, float(o.value) if has_value else 0.0, len(error)))
+        parts.append(_SAMPLE.pack(o.status.wire, has_value, float(o.value) if has_value else 0.0, len(error), took))
         parts.append(error)
     log_bytes = _utf8(logs, max_log_bytes + LOG_SLACK_BYTES)
     parts[0] = _HEADER.pack(MAGIC, len(outcomes), max(0, dropped), len(log_bytes))
@@ -173,12 +177,14 @@ def decode_result(data: bytes, samples: int, max_log_bytes: int) -> ChunkResult:
     if magic != MAGIC or count != samples:
         raise MalformedResult(f"the worker answered for {count} samples, expected {samples}" if magic == MAGIC
                               else "the worker's answer does not start with the format's magic bytes")
-    values, statuses, errors = [], [], []
+    values, statuses, errors, times = [], [], [], []
     offset = _HEADER.size
     for _ in range(count):
         if offset + _SAMPLE.size > len(data):
             raise MalformedResult("the worker's answer is truncated")
-        code, has_value, value, error_length = _SAMPLE.unpack_from(data, offset)
+        code, has_value, value, error_length, seconds = _SAMPLE.unpack_from(data, offset)
+        # The sample's own time, as its process measured it: shown, never used to decide anything.
+        times.append(seconds if math.isfinite(seconds) and 0 <= seconds <= MAX_SECONDS else None)
         offset += _SAMPLE.size
         status = _WORKER_STATUSES.get(code)
         if status is None or has_value not in (0, 1) or error_length > MAX_ERROR_BYTES:
@@ -196,4 +202,4 @@ def decode_result(data: bytes, samples: int, max_log_bytes: int) -> ChunkResult:
     if offset + log_length != len(data) or log_length > max_log_bytes + LOG_SLACK_BYTES:
         raise MalformedResult("the worker's answer has a wrong length")
     logs = data[offset:].decode("utf-8", "replace")
-    return ChunkResult(values, statuses, errors, logs, dropped)
+    return ChunkResult(values, statuses, errors, logs, dropped, times)

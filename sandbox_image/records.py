@@ -69,6 +69,7 @@ class ChunkResult:
     errors: list
     logs: str = ""
     dropped: int = 0  # characters of output beyond max_log_bytes
+    seconds: list = field(default_factory=list)  # per sample: how long its unit took, where the worker said
 
     @classmethod
     def of(cls, outcomes: Sequence[Outcome], logs: str = "", dropped: int = 0) -> "ChunkResult":
@@ -102,6 +103,7 @@ class BatchResult:
     workers_replaced: int = 0
     isolated_reruns: int = 0
     sample_logs: list = field(default_factory=list)  # per sample: its own output where it ran alone, else ""
+    sample_seconds: list = field(default_factory=list)  # per sample: how long it took (None: unknown)
 
     def add(self, other: "BatchResult | ChunkResult") -> None:
         self.values.extend(other.values)
@@ -113,8 +115,10 @@ class BatchResult:
             self.workers_replaced += other.workers_replaced
             self.isolated_reruns += other.isolated_reruns
             self.sample_logs.extend(other.sample_logs)
+            self.sample_seconds.extend(other.sample_seconds)
         else:
             self.sample_logs.extend([other.logs] if len(other) == 1 else [""] * len(other))
+            self.sample_seconds.extend(other.seconds if len(other.seconds) == len(other) else [None] * len(other))
 
     def add_failed(self, outcome: Outcome) -> None:
         """One sample whose worker was killed or died."""
@@ -122,3 +126,4 @@ class BatchResult:
         self.statuses.append(outcome.status)
         self.errors.append(outcome.error)
         self.sample_logs.append("")
+        self.sample_seconds.append(None)

@@ -216,11 +216,13 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
         alone = result.sample_logs if len(result.sample_logs) == len(result.values) else [""] * len(result.values)
         if fp.style == "batch":
             alone = [""] * len(result.values)  # one call for all: its output is the response's
+        times = result.sample_seconds if len(result.sample_seconds) == len(result.values) \
+            else [None] * len(result.values)
         scores = [
-            pb.Score(value=value, status=status.wire, error=error, logs=own)
+            pb.Score(value=value, status=status.wire, error=error, logs=own, seconds=took)
             if value is not None and status == Status.OK
-            else pb.Score(status=status.wire, error=error, logs=own)
-            for value, status, error, own in zip(result.values, result.statuses, result.errors, alone)
+            else pb.Score(status=status.wire, error=error, logs=own, seconds=took)
+            for value, status, error, own, took in zip(result.values, result.statuses, result.errors, alone, times)
         ]
         logs = result.logs
         if result.dropped:

@@ -241,12 +241,14 @@ async def _score_units(loaded: worker.Loaded, sock: socket.socket, batch, timeou
     try:
         for k, unit in enumerate(_units(loaded, batch)):
             reuse.begin(sock.fileno(), k)
+            started = time.perf_counter()
             try:
                 outcomes, logs, dropped = await _score_unit(loaded, batch, unit, timeout_s, trainer_state)
             finally:
                 tainted = reuse.end()
+            took = time.perf_counter() - started
             retire = tainted or _retire_reason(outcomes, reusable)
-            reuse.queue(k, codec.encode_result(outcomes, logs, dropped, loaded.config.max_log_bytes),
+            reuse.queue(k, codec.encode_result(outcomes, logs, dropped, loaded.config.max_log_bytes, took),
                         reuse.marker(k, retire) if retire else reuse.CLEAN)
             if retire:
                 break

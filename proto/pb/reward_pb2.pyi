@@ -175,18 +175,20 @@ class ScoreRequest(_message.Message):
     def __init__(self, function: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., trainer_state: _Optional[_Union[TrainerState, _Mapping]] = ..., has_trainer_state: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class Score(_message.Message):
-    __slots__ = ("value", "status", "error", "deferred", "logs")
+    __slots__ = ("value", "status", "error", "deferred", "logs", "seconds")
     VALUE_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DEFERRED_FIELD_NUMBER: _ClassVar[int]
     LOGS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
     value: float
     status: Status
     error: str
     deferred: bool
     logs: str
-    def __init__(self, value: _Optional[float] = ..., status: _Optional[_Union[Status, str]] = ..., error: _Optional[str] = ..., deferred: _Optional[bool] = ..., logs: _Optional[str] = ...) -> None: ...
+    seconds: float
+    def __init__(self, value: _Optional[float] = ..., status: _Optional[_Union[Status, str]] = ..., error: _Optional[str] = ..., deferred: _Optional[bool] = ..., logs: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class Metrics(_message.Message):
     __slots__ = ("elapsed_ms", "workers_replaced", "isolated_reruns")

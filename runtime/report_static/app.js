@@ -45,7 +45,8 @@ function showError(error) {
 function statusCell(score) {
   if (!score) return el("td", {}, "-");
   const cell = el("td", { class: `status-${score.status}` }, `${fmt(score.value)} (${score.status})`);
-  if (score.version) cell.title = `version ${score.version}`;
+  const took = score.latency_s === null || score.latency_s === undefined ? "" : `, ${fmt(score.latency_s * 1000, 1)} ms`;
+  cell.title = `version ${score.version || "?"}${took}`;
   return cell;
 }
 
@@ -218,6 +219,7 @@ async function renderLogs() {
   $("log-table").tBodies[0].replaceChildren(...data.rows.map((r) => el("tr", {},
     el("td", {}, r.id), el("td", {}, r.step), el("td", {}, r.reward), el("td", {}, r.version),
     el("td", { class: `status-${r.status}` }, r.status), el("td", {}, fmt(r.value)),
+    el("td", {}, r.latency_s === null ? "-" : fmt(r.latency_s * 1000, 1)),
     el("td", {}, el("pre", {}, r.text)), el("td", {}, el("pre", {}, r.own_logs)),
     el("td", {}, r.error ? el("details", {}, el("summary", {}, r.error.trim().split("\n").pop()), el("pre", {}, r.error)) : ""),
     el("td", {}, r.call_logs ? el("details", {}, el("summary", {}, "the call's output"), el("pre", {}, r.call_logs)) : ""))));

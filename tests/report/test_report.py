@@ -182,7 +182,9 @@ def test_reward_logs_per_sample_show_hostile_output_as_text(page, run_dir):
     page.select_option("#log-reward", "shape")
     page.wait_for_function("[...document.querySelectorAll('#log-table tbody tr td:nth-child(3)')]"
                            ".every(td => td.textContent === 'shape')")
-    own = page.locator("#log-table tbody tr").first.locator("td").nth(7).text_content()
+    own = page.locator("#log-table tbody tr").first.locator("td").nth(8).text_content()
+    took = page.locator("#log-table tbody tr").first.locator("td").nth(6).text_content()
+    assert took != "-" and 0 <= float(took) < 5000  # this sample's own time, in ms
     assert "printed for" in own and HOSTILE in own  # this sample's own print, the markup as text
     page.select_option("#log-reward", "picky")
     page.select_option("#log-status", "error")
@@ -190,7 +192,7 @@ def test_reward_logs_per_sample_show_hostile_output_as_text(page, run_dir):
                            ".every(td => td.textContent === 'error')")
     errors = records.execute("SELECT COUNT(*) FROM scores WHERE reward = 'picky' AND status = 'error'").fetchone()[0]
     assert errors > 0 and f"{errors} scores" in page.text_content("#log-count")
-    traceback = page.locator("#log-table tbody tr").first.locator("td").nth(8)
+    traceback = page.locator("#log-table tbody tr").first.locator("td").nth(9)
     assert "ValueError: picky refuses " + HOSTILE in traceback.locator("summary").text_content()
     assert "Traceback (most recent call last)" in traceback.locator("pre").text_content()
     page.select_option("#log-reward", "")
