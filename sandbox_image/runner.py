@@ -458,8 +458,10 @@ class Monitor:
         memory_mb = request.memory_mb
         if self.slot.memory is not None:  # gVisor: the sample's own budget caps what its programs get
             memory_mb = min(memory_mb, max(16, self.slot.memory // _MIB))
-        entries = {language.source: (request.code, 0o644)}
-        entries.update({name: (content, 0o644) for name, content in request.files.items()})
+        # Owner only (the run uid): gVisor lets other uids open what a process has open through /proc/<pid>/fd,
+        # past the directory's 0700, so a file readable by others would be readable by concurrent samples.
+        entries = {language.source: (request.code, 0o600)}
+        entries.update({name: (content, 0o600) for name, content in request.files.items()})
         file_bytes = max(64 * _MIB, 2 * request.max_output_bytes)
         compiled = None
         self.clean()
@@ -479,7 +481,7 @@ class Monitor:
                     failed = dict(compiled, status="compile_error", exit_code=compiled["exit_code"])
                     runs = [dict(failed, passed=False if r.expected is not None else None) for r in request.runs]
                     return {"compile": compiled, "runs": runs}
-                entries[language.artifact] = (artifact, 0o755)
+                entries[language.artifact] = (artifact, 0o700)
             limits = Limits(request.timeout_s, memory_mb, language.address_grace_mb, request.max_output_bytes,
                             self.slot.nproc, file_bytes)
             results = []

@@ -11,11 +11,10 @@ import asyncio
 import textwrap
 
 import pytest
-import yaml
 
-from rewardbox import RewardSandboxes, build_samples, load_config
+from rewardbox import build_samples
 from rewardbox.wire import Status
-from tests.docker.conftest import docker_backend
+from tests.docker.conftest import sandboxes_on_runtime
 
 REWARDS = '''
 import ctypes, os, subprocess, sys, tempfile, time
@@ -94,31 +93,52 @@ def escape(prompt, completion, example):
         capabilities = [line.split()[1] for line in f if line.startswith(("CapEff", "CapPrm"))]
     print(refused, capabilities)
     return float(all(refused) and capabilities == ["0000000000000000"] * 2)
+
+
+def hold_or_snoop(prompt, completion, example):
+    return holder() if completion == "hold" else snoop()
+
+
+def holder():
+    """A program that holds a file of its own open (one the reward gave it, one it wrote) while others look."""
+    from rewardbox.sandbox import run
+    code = ("import time\\nh = open('data.txt')\\ng = open('/tmp/own.txt', 'w+')\\ng.write('OWN-SECRET')\\n"
+            "g.flush()\\ntime.sleep(3)\\nprint(h.read())")
+    result = run(code, files={"data.txt": "GIVEN-SECRET"}, timeout_s=8)
+    return float(result.stdout.strip() == "GIVEN-SECRET")
+
+
+def snoop():
+    """Opens every file any other process has open, through /proc/<pid>/fd (gVisor lets other uids follow these
+    links), for 4 seconds; prints what it read."""
+    read, me, end = set(), os.getpid(), time.time() + 4
+    while time.time() < end:
+        for pid in (p for p in os.listdir("/proc") if p.isdigit() and int(p) != me):
+            try:
+                fds = os.listdir(f"/proc/{pid}/fd")
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    with open(f"/proc/{pid}/fd/{fd}") as f:
+                        read.add(f.read(100))
+                except (OSError, UnicodeDecodeError):
+                    pass
+        time.sleep(0.05)
+    print(sorted(read))
+    return float(not any("SECRET" in text for text in read))
 '''
 TIMEOUT_S = 20.0
 
 
 @pytest.fixture(scope="module", params=["runc", "runsc"])
 def sandboxes(request, tmp_path_factory, docker_client, base_image):
-    if request.param == "runsc" and "runsc" not in docker_client.info().get("Runtimes", {}):
-        pytest.fail("the Docker engine has no runsc runtime: start it as scripts/setup.sh does")
-    root = tmp_path_factory.mktemp(f"private-tmp-{request.param}")
-    (root / "rewards.py").write_text(textwrap.dedent(REWARDS))
-    common = {"source": "rewards.py", "timeout_s": TIMEOUT_S, "workers": 2, "cpus": 2, "default_score": -5.0,
-              "memory": "1g", "retries": 0}
-    (root / "config.yaml").write_text(yaml.safe_dump({
-        "sandbox": {"backend": "docker", "docker": {
-            "base_image": base_image, "runtime": None if request.param == "runc" else "runsc",
-            "private_tmp": "on"}},  # a sandbox that cannot make it fails to start, and the tests with it
-        "rewards": [{"name": "plain", **common},
-                    {"name": "plain_fresh", "function": "plain", "isolation": "process", **common},
-                    {"name": "tmp_is_home", **common}, {"name": "program", **common},
-                    {"name": "escape", **common}],
-    }))
-    config = load_config(root / "config.yaml")
-    started = RewardSandboxes(config, backend=docker_backend(config, docker_client))
-    started.start()
-    started.runtime = request.param
+    common = {"timeout_s": TIMEOUT_S, "workers": 2, "cpus": 2, "default_score": -5.0, "memory": "1g", "retries": 0}
+    started = sandboxes_on_runtime(request, tmp_path_factory, docker_client, base_image, REWARDS, [
+        {"name": "plain", **common}, {"name": "plain_fresh", "function": "plain", "isolation": "process", **common},
+        {"name": "tmp_is_home", **common}, {"name": "program", **common}, {"name": "escape", **common},
+        {"name": "hold_or_snoop", **common}],
+        private_tmp="on")  # a sandbox that cannot make it fails to start, and the tests with it
     yield started
     started.stop()
 
@@ -152,6 +172,15 @@ def test_a_program_the_reward_runs_has_a_tmp_of_its_own(sandboxes):
 def test_reward_code_cannot_leave_its_tmp_nor_make_namespaces_or_mounts(sandboxes):
     report = score(sandboxes, "escape", ["x"] * 2)
     assert report.values == [1.0] * 2 and report.statuses == [Status.OK] * 2, (report.errors, report.logs)
+
+
+def test_no_sample_reads_what_a_concurrent_program_holds_open(sandboxes):
+    # found by a red team under gVisor: files run() wrote were 0644, and gVisor lets other uids open
+    # /proc/<pid>/fd links past the 0700 directory
+    # one batch of one reward (one container, workers: 2): a holder and a snoop run side by side
+    report = score(sandboxes, "hold_or_snoop", ["snoop", "hold"])
+    assert report.statuses == [Status.OK] * 2, report.errors
+    assert report.values == [1.0, 1.0], report.sample_logs
 
 
 def test_private_tmp_off_leaves_tmp_read_only_and_the_container_without_sys_admin(docker_sandboxes):

@@ -12,11 +12,10 @@ import textwrap
 import time
 
 import pytest
-import yaml
 
-from rewardbox import RewardSandboxes, build_samples, load_config
+from rewardbox import build_samples
 from rewardbox.wire import Status
-from tests.docker.conftest import docker_backend
+from tests.docker.conftest import sandboxes_on_runtime
 
 REWARDS = '''
 import builtins, os, re, signal, sys, time
@@ -101,24 +100,11 @@ TIMEOUT_S = 5.0
 
 @pytest.fixture(scope="module", params=["runc", "runsc"])
 def sandboxes(request, tmp_path_factory, docker_client, base_image):
-    if request.param == "runsc" and "runsc" not in docker_client.info().get("Runtimes", {}):
-        pytest.fail("the Docker engine has no runsc runtime: start it as scripts/setup.sh does")
-    root = tmp_path_factory.mktemp(f"reuse-{request.param}")
-    (root / "rewards.py").write_text(textwrap.dedent(REWARDS))
-    common = {"source": "rewards.py", "timeout_s": TIMEOUT_S, "workers": 2, "cpus": 2, "default_score": -5.0,
-              "memory": "1g", "retries": 1}
-    (root / "config.yaml").write_text(yaml.safe_dump({
-        "sandbox": {"backend": "docker", "docker": {"base_image": base_image,
-                                                    "runtime": None if request.param == "runc" else "runsc"}},
-        "rewards": [{"name": "pid", **common}, {"name": "pid_fresh", "function": "pid", "isolation": "process",
-                                                 **common},
-                    {"name": "pid_worker", "function": "pid", "isolation": "worker", **common},
-                    {"name": "act", **common}, {"name": "run", **common}],
-    }))
-    config = load_config(root / "config.yaml")
-    started = RewardSandboxes(config, backend=docker_backend(config, docker_client))
-    started.start()
-    started.runtime = request.param
+    common = {"timeout_s": TIMEOUT_S, "workers": 2, "cpus": 2, "default_score": -5.0, "memory": "1g", "retries": 1}
+    started = sandboxes_on_runtime(request, tmp_path_factory, docker_client, base_image, REWARDS, [
+        {"name": "pid", **common}, {"name": "pid_fresh", "function": "pid", "isolation": "process", **common},
+        {"name": "pid_worker", "function": "pid", "isolation": "worker", **common},
+        {"name": "act", **common}, {"name": "run", **common}])
     yield started
     started.stop()
 
