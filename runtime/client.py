@@ -74,6 +74,7 @@ class _Share:
 
     samples: list
     indices: list
+    details: bool = False  # ask for each sample's own output and time
     outcomes: dict = field(default_factory=dict)  # index -> Outcome
     sample_logs: dict = field(default_factory=dict)  # index -> its own output
     sample_seconds: dict = field(default_factory=dict)  # index -> how long it took
@@ -122,8 +123,10 @@ class RewardClient:
         # A chunk that crashes or hangs is re-run one sample per task, so allow twice the serial time.
         return 2 * serial * (r.timeout_s + HARD_TIMEOUT_MARGIN_S) + self.settings.rpc_grace_s
 
-    async def score(self, samples: Sequence[pb.Sample], trainer_state: Optional[pb.TrainerState] = None) -> ScoreReport:
-        """Scores samples; never raises for sandbox or user-code failures.
+    async def score(self, samples: Sequence[pb.Sample], trainer_state: Optional[pb.TrainerState] = None,
+                    details: bool = False) -> ScoreReport:
+        """Scores samples; never raises for sandbox or user-code failures. ``details``: also each sample's own
+        output and time, where the sandbox has them (``sample_logs``, ``sample_seconds``).
 
         Returns:
             A ScoreReport with one value per sample: the real score, or the default_score fallback.
@@ -133,7 +136,7 @@ class RewardClient:
         # Sample-style batches are split across replicas; a batch-style call goes whole to the next replica.
         k = 1 if self.reward.style == "batch" else (min(len(self._usable()), n) or 1)
         bounds = [round(i * n / k) for i in range(k + 1)]
-        shares = [_Share(list(samples[a:b]), list(range(a, b))) for a, b in zip(bounds, bounds[1:])]
+        shares = [_Share(list(samples[a:b]), list(range(a, b)), details) for a, b in zip(bounds, bounds[1:])]
         first = next(self._rotation)
         await asyncio.gather(*(self._score_share(first + i, share, trainer_state) for i, share in enumerate(shares)))
 
@@ -231,7 +234,7 @@ class RewardClient:
         delay, waited = self.settings.backoff_initial_s, 0.0
         while todo:
             request = pb.ScoreRequest(function=self.reward.name, samples=[s for _, s in todo],
-                                      timeout_s=self.reward.timeout_s)
+                                      timeout_s=self.reward.timeout_s, sample_details=share.details)
             if trainer_state is not None:
                 request.trainer_state.CopyFrom(trainer_state)
                 request.has_trainer_state = True
@@ -277,11 +280,13 @@ class RewardClient:
             raise BackendError(f"sandbox {replica.name} returned {len(reply.scores)} scores for {len(todo)} samples")
         outcomes, isfinite, shared = share.outcomes, math.isfinite, replica.shared
         deferred, unscored = [], 0
+        if share.details:
+            for item, score in zip(todo, reply.scores):
+                if score.logs:
+                    share.sample_logs[item[0]] = score.logs
+                if score.HasField("seconds") and math.isfinite(score.seconds):
+                    share.sample_seconds[item[0]] = score.seconds
         for item, score in zip(todo, reply.scores):
-            if score.logs:
-                share.sample_logs[item[0]] = score.logs
-            if score.HasField("seconds") and math.isfinite(score.seconds):
-                share.sample_seconds[item[0]] = score.seconds
             # Nearly every sample: status ok with a finite value. checked() handles the rest the same way.
             if score.status == _OK_WIRE and score.HasField("value") and isfinite(score.value):
                 outcomes[item[0]] = Outcome(score.value, _OK)

@@ -81,7 +81,7 @@ class SandboxedReward:
             completion_ids = None  # the function does not take them: they would only fill the request
         samples = build_samples(prompts, completions, columns, completion_ids)
         state = trainer_state_to_wire(trainer_state)
-        report = await self.client.score(samples, state)
+        report = await self.client.score(samples, state, details=bool(self.recorders))
         self.last_report = report
         self._report(report, state, log_metric)
         for recorder in self.recorders:

@@ -208,7 +208,8 @@ class RewardService(pb_grpc.RewardSandboxServicer):
         self._idle.clear()
         try:
             state = request.trainer_state if request.has_trainer_state else None
-            report = await reward.client.score(list(request.samples[:admitted]), state)
+            report = await reward.client.score(list(request.samples[:admitted]), state,
+                                               details=request.sample_details)
         finally:
             budget.give(admitted)
             self.active -= 1

@@ -213,17 +213,24 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
             result = await fp.score(batch, request.timeout_s, state)
         except PoolUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        alone = result.sample_logs if len(result.sample_logs) == len(result.values) else [""] * len(result.values)
-        if fp.style == "batch":
-            alone = [""] * len(result.values)  # one call for all: its output is the response's
-        times = result.sample_seconds if len(result.sample_seconds) == len(result.values) \
-            else [None] * len(result.values)
-        scores = [
-            pb.Score(value=value, status=status.wire, error=error, logs=own, seconds=took)
-            if value is not None and status == Status.OK
-            else pb.Score(status=status.wire, error=error, logs=own, seconds=took)
-            for value, status, error, own, took in zip(result.values, result.statuses, result.errors, alone, times)
-        ]
+        if request.sample_details:
+            n = len(result.values)
+            alone = result.sample_logs if len(result.sample_logs) == n and fp.style != "batch" else [""] * n
+            times = result.sample_seconds if len(result.sample_seconds) == n else [None] * n
+            scores = [
+                pb.Score(value=value, status=status.wire, error=error, logs=own, seconds=took)
+                if value is not None and status == Status.OK
+                else pb.Score(status=status.wire, error=error, logs=own, seconds=took)
+                for value, status, error, own, took in zip(result.values, result.statuses, result.errors, alone,
+                                                           times)
+            ]
+        else:
+            scores = [
+                pb.Score(value=value, status=status.wire, error=error)
+                if value is not None and status == Status.OK
+                else pb.Score(status=status.wire, error=error)
+                for value, status, error in zip(result.values, result.statuses, result.errors)
+            ]
         logs = result.logs
         if result.dropped:
             logs += f"\n[rewardbox: {result.dropped} more characters of output dropped]\n"

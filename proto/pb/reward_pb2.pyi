@@ -161,18 +161,20 @@ class Sample(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., completion: _Optional[str] = ..., prompt_messages_json: _Optional[str] = ..., completion_messages_json: _Optional[str] = ..., columns_json: _Optional[str] = ..., completion_ids: _Optional[_Iterable[int]] = ..., has_completion_ids: _Optional[bool] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("function", "samples", "trainer_state", "has_trainer_state", "timeout_s")
+    __slots__ = ("function", "samples", "trainer_state", "has_trainer_state", "timeout_s", "sample_details")
     FUNCTION_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     TRAINER_STATE_FIELD_NUMBER: _ClassVar[int]
     HAS_TRAINER_STATE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_DETAILS_FIELD_NUMBER: _ClassVar[int]
     function: str
     samples: _containers.RepeatedCompositeFieldContainer[Sample]
     trainer_state: TrainerState
     has_trainer_state: bool
     timeout_s: float
-    def __init__(self, function: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., trainer_state: _Optional[_Union[TrainerState, _Mapping]] = ..., has_trainer_state: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    sample_details: bool
+    def __init__(self, function: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., trainer_state: _Optional[_Union[TrainerState, _Mapping]] = ..., has_trainer_state: _Optional[bool] = ..., timeout_s: _Optional[float] = ..., sample_details: _Optional[bool] = ...) -> None: ...
 
 class Score(_message.Message):
     __slots__ = ("value", "status", "error", "deferred", "logs", "seconds")

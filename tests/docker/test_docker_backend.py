@@ -301,11 +301,13 @@ def test_what_a_reward_prints_comes_back_per_sample_where_it_ran_alone(docker_sa
                           {"name": "shout_worker", "file": "shout.py", "function": "shout", "isolation": "worker",
                            "workers": 1}])
     completions = [f"c{i}" for i in range(12)] + ["<script>alert(1)</script>"]
-    report = run(s["shout"].client.score(build_samples(["p"] * 13, completions, {})))
+    plain = run(s["shout"].client.score(build_samples(["p"] * 13, completions, {})))
+    assert plain.sample_logs == [""] * 13 and plain.sample_seconds == [None] * 13  # not asked for
+    report = run(s["shout"].client.score(build_samples(["p"] * 13, completions, {}), details=True))
     assert report.sample_logs == [f"saw {c}\n" for c in completions]
     assert all(t is not None and 0 <= t < 5 for t in report.sample_seconds)  # each sample's own time, as its process measured it
     assert sorted(report.logs.splitlines()) == sorted(f"saw {c}" for c in completions)
     # a worker that scores the batch in one request: the output is the batch's only
-    together = run(s["shout_worker"].client.score(build_samples(["p"] * 13, completions, {})))
+    together = run(s["shout_worker"].client.score(build_samples(["p"] * 13, completions, {}), details=True))
     assert together.sample_logs == [""] * 13 and together.logs == "".join(f"saw {c}\n" for c in completions)
     assert together.sample_seconds == [None] * 13
