@@ -100,6 +100,8 @@ def result_limit(samples: int, max_log_bytes: int) -> int:
 
 HEADER_SIZE = _HEADER.size
 SAMPLE_SIZE = _SAMPLE.size
+_ONE = struct.Struct("<4sIQIBBdIf")  # a one-sample answer's header and sample together (the streamed common case)
+_OK_WIRE = Status.OK.wire
 
 
 def frame_header(header: bytes, samples: int, max_log_bytes: int) -> tuple[int, int]:
@@ -155,6 +157,19 @@ def decode_clean_units(data: bytearray, start: int, samples: int, units: int, ma
     results = []
     end = len(data)
     while len(results) < units and start < end and data[start] == MAGIC[0]:
+        if samples == 1 and start + _ONE.size < end:
+            # The common case in one unpack: one sample, ok, no error text, no output. Anything else (or anything
+            # off) takes the general path below, which checks it all.
+            magic, count, dropped, log_length, code, has_value, value, error_length, seconds = \
+                _ONE.unpack_from(data, start)
+            if magic == MAGIC and count == 1 and not (dropped or log_length or error_length) \
+                    and code == _OK_WIRE and data[start + _ONE.size] == clean \
+                    and (has_value == 0 or (has_value == 1 and math.isfinite(value))):
+                results.append(ChunkResult([value if has_value else None], [Status.OK], [""], "", 0,
+                                           [seconds if math.isfinite(seconds) and 0 <= seconds <= MAX_SECONDS
+                                            else None]))
+                start += _ONE.size + 1
+                continue
         length = answer_length(data, samples, start)
         if length is None or start + length >= end or data[start + length] != clean:
             break

@@ -59,7 +59,7 @@ class SampleBatch:
         return self.take(range(start, min(stop, len(self))))
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: one is made per streamed sample, and a frozen one costs twice as much to make
 class ChunkResult:
     """What a worker returns for a chunk of samples: per sample, in order, a value (only with status OK), a status
     and an error text; and the captured output."""
