@@ -150,7 +150,7 @@ def test_a_sample_cannot_forge_the_answers_of_others_through_any_descriptor(host
 
 
 def test_a_forged_nan_answer_is_rejected(hostile_sandboxes):
-    nan_frame = struct.pack("<4sIQI", b"RBX1", 1, 0, 0) + struct.pack("<BBdI", 1, 1, float("nan"), 0)
+    nan_frame = struct.pack("<4sIQI", b"RBX1", 1, 0, 0) + struct.pack("<BBdIf", 1, 1, float("nan"), 0, 0.0)
     attack(hostile_sandboxes, f"""
         import os, stat
         for fd in map(int, os.listdir("/proc/self/fd")):
