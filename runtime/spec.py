@@ -293,6 +293,7 @@ def parse_config(data: Any, base_dir: Path, where: Where = Where(),
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, where)) from None
     config.where = where
+    _paths_from(config.sandbox, base_dir)
     for i, r in enumerate(config.rewards):
         path = config.source_path(r)
         if not path.is_file():
@@ -312,6 +313,21 @@ def parse_config(data: Any, base_dir: Path, where: Where = Where(),
             resolved.append(package)
         r.packages = resolved
     return config
+
+
+def _paths_from(sandbox: "SandboxSettings", base_dir: Path) -> None:
+    """Every path of every backend's settings section (``sandbox.remote.tls_ca``, ``sandbox.docker.cache_dir``,
+    a registered backend's own) relative to the config file's directory, as reward sources are, not to the
+    directory the command runs in. ``~`` is the user's home."""
+    for name in type(sandbox).model_fields:
+        section = getattr(sandbox, name, None)
+        if not isinstance(section, BaseModel):
+            continue
+        for key in type(section).model_fields:
+            value = getattr(section, key)
+            if isinstance(value, Path):
+                value = value.expanduser()
+                setattr(section, key, value if value.is_absolute() else (base_dir / value).resolve())
 
 
 def read_yaml_file(path: Path) -> tuple[Any, Where]:

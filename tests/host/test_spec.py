@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -100,3 +101,16 @@ def test_an_import_that_never_finishes_fails_the_start_within_start_timeout(writ
                                               r"larger sandbox\.start_timeout_s"):
         sandboxes.start()
     assert sandboxes.replicas == {}
+
+
+def test_every_path_of_a_backend_section_is_relative_to_the_config_file(tmp_path, monkeypatch):
+    config_dir = tmp_path / "project"
+    config_dir.mkdir()
+    (config_dir / "r.py").write_text("def r(prompt, completion, example):\n    return 1.0\n")
+    (config_dir / "rewards.yaml").write_text(
+        "sandbox:\n  backend: remote\n  remote:\n    endpoints: ['localhost:1']\n    tls_ca: certs/ca.pem\n"
+        "  docker:\n    cache_dir: ~/rbx-cache\nrewards:\n  - {name: r, source: r.py}\n")
+    monkeypatch.chdir(tmp_path)  # somewhere else than the config's directory
+    config = load_config(config_dir / "rewards.yaml")
+    assert config.sandbox.backend_settings("remote").tls_ca == config_dir / "certs" / "ca.pem"
+    assert config.sandbox.backend_settings("docker").cache_dir == (Path.home() / "rbx-cache")
