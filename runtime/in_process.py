@@ -29,7 +29,8 @@ def load_function(reward: RewardSpec, path: Path) -> Callable:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    return getattr(module, reward.function or reward.name)
+    fn = getattr(module, reward.function or reward.name)
+    return fn(**reward.args) if reward.args is not None else fn
 
 
 def _sample_style(fn: Callable, name: str) -> Callable:

@@ -6,6 +6,7 @@ Lifecycle calls are synchronous (subprocesses and docker-py are); the async scor
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -41,6 +42,7 @@ def function_source(reward: RewardSpec, path: Path) -> pb.FunctionSource:
         workers=reward.workers,
         concurrency=reward.concurrency,
         max_log_bytes=reward.max_log_bytes,
+        args_json=json.dumps(reward.args) if reward.args is not None else "",
     )
 
 

@@ -4,6 +4,7 @@ dataset, GRPO and LoRA sections, typed in :mod:`rewardbox.trainer.config`)."""
 from __future__ import annotations
 
 import difflib
+import json
 import re
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -111,6 +112,10 @@ class RewardSpec(_Strict):
     name: str = Field(pattern=_NAME, description="unique; becomes the TRL reward name and metric prefix")
     source: Path = Field(description="Python file, relative to the config file")
     function: Optional[str] = Field(default=None, description="attribute to call; default: name")
+    args: Optional[dict[str, Any]] = Field(
+        default=None, description="a factory's keyword arguments: function(**args) is called once when the sandbox "
+        "loads the file, and what it returns is the reward (as TRL's get_soft_overlong_punishment(...) or "
+        "open-r1's get_cosine_scaled_reward(...)); JSON values only")
     style: Literal["sample", "batch"] = "sample"
     isolation: Literal["sample", "process", "worker"] = Field(
         default="sample", description="sample: every sample starts from the module's state after import, in a "
@@ -141,6 +146,16 @@ class RewardSpec(_Strict):
     max_in_flight: Optional[PositiveInt] = Field(
         default=None, description="samples of this reward that may run at once on a shared service (`rewardbox "
         "serve`), for all its clients together (e.g. an LLM judge's rate limit); more wait, with backoff")
+
+    @field_validator("args")
+    @classmethod
+    def _args_json(cls, args: Optional[dict]) -> Optional[dict]:
+        if args is not None:
+            try:
+                json.dumps(args, allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"args must hold JSON values only (strings, numbers, lists, mappings): {e}") from None
+        return args
 
     @field_validator("packages")
     @classmethod

@@ -30,6 +30,7 @@ class WorkerConfig:
     concurrency: int  # async functions: samples in flight per process
     max_log_bytes: int
     warm: int  # isolation sample: processes kept forked and ready
+    args_json: str = ""  # a factory's keyword arguments (JSON object); "": ``function`` is the reward
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,7 @@ def _config(fn: pb.FunctionSource, default_warm: int) -> WorkerConfig:
         concurrency=fn.concurrency or DEFAULT_CONCURRENCY,
         max_log_bytes=fn.max_log_bytes or DEFAULT_MAX_LOG_BYTES,
         warm=fn.warm or default_warm,
+        args_json=fn.args_json,
     )
 
 

@@ -104,6 +104,28 @@ def _is_async(fn: Callable) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
+def _from_factory(config: WorkerConfig, factory: Callable) -> tuple:
+    """Calls a factory with the config's ``args`` once; returns (the reward it made, its name for messages).
+
+    Raises:
+        LoadError: the factory raised, or returned something that is not callable (naming file and function).
+    """
+    args = json.loads(config.args_json)
+    call = f"{config.function}(**{args!r})"
+    line = getattr(getattr(factory, "__code__", None), "co_firstlineno", None)
+    where = f"{config.filename}:{line}" if line else config.filename
+    try:
+        made = factory(**args)
+    except BaseException as e:  # noqa: BLE001 - the factory is user code: any failure is a load error
+        raise LoadError(f"{where}: {call} (reward {config.name!r}, `args:` makes {config.function!r} a factory) "
+                        f"raised {type(e).__name__}: {e} (at {_user_line(e, config.filename)})") from None
+    if not callable(made):
+        raise LoadError(f"{where}: {call} returned a {type(made).__name__}, not a callable: with `args:` "
+                        f"(reward {config.name!r}) {config.function!r} is a factory that must return the reward "
+                        "function; drop `args:` if it is the reward itself")
+    return made, f"{config.function}(...)"
+
+
 def resolve_function(config: WorkerConfig, module: types.ModuleType) -> Loaded:
     """Finds the function and checks its signature against its style.
 
@@ -119,6 +141,9 @@ def resolve_function(config: WorkerConfig, module: types.ModuleType) -> Loaded:
         )
     if not callable(fn):
         raise LoadError(f"{config.filename}: {config.function!r} is a {type(fn).__name__}, not a function")
+    name = config.function
+    if config.args_json:
+        fn, name = _from_factory(config, fn)
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError) as e:
@@ -133,14 +158,14 @@ def resolve_function(config: WorkerConfig, module: types.ModuleType) -> Loaded:
             sig.bind(None, None, None)
         except TypeError as e:
             raise LoadError(
-                f"{where}: {config.function}{sig} does not fit style 'sample' ({e}). Sample-style rewards are "
+                f"{where}: {name}{sig} does not fit style 'sample' ({e}). Sample-style rewards are "
                 "called as fn(prompt, completion, example, **kw); for TRL's fn(prompts, completions, **kwargs) "
                 "set `style: batch`."
             ) from None
     else:
         if "completions" not in named and not var_kw:
             raise LoadError(
-                f"{where}: {config.function}{sig} does not fit style 'batch': it must accept `completions` "
+                f"{where}: {name}{sig} does not fit style 'batch': it must accept `completions` "
                 "(and usually `prompts` and **kwargs). For fn(prompt, completion, example) set `style: sample`."
             )
     params = list(sig.parameters.values())
@@ -149,15 +174,15 @@ def resolve_function(config: WorkerConfig, module: types.ModuleType) -> Loaded:
                 and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     for name in required:
         if name in TRAINER_OBJECTS:
-            raise LoadError(f"{where}: {config.function}{sig}: parameter {name!r} has no default, but it is the "
+            raise LoadError(f"{where}: {name}{sig}: parameter {name!r} has no default, but it is the "
                             "trainer's own object, which cannot reach a sandbox. Give it a default "
                             f"({name}=None): the function gets the default there.")
         if config.style == "sample" and name not in OPTIONAL_KEYWORDS:
-            raise LoadError(f"{where}: {config.function}{sig}: parameter {name!r} has no default, and a "
+            raise LoadError(f"{where}: {name}{sig}: parameter {name!r} has no default, and a "
                             "sample-style function gets only prompt, completion, example and the keywords "
                             f"{', '.join(OPTIONAL_KEYWORDS)}. Read columns from `example`, or give it a default.")
     accepted = tuple(k for k in OPTIONAL_KEYWORDS if k in named or var_kw)
-    info = FunctionInfo(_is_async(fn), accepted, var_kw, f"{config.function}{sig}",
+    info = FunctionInfo(_is_async(fn), accepted, var_kw, f"{name}{sig}",
                         tuple(name for name in required if name not in BATCH_KEYWORDS))
     return Loaded(fn, info, config)
 

@@ -24,43 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rewardbox/v1/reward.proto\x12\x0crewardbox.v1\"\xed\x01\n\x0e\x46unctionSource\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x66ilename\x18\x02 \x01(\t\x12\x0e\n\x06source\x18\x03 \x01(\t\x12\x10\n\x08\x66unction\x18\x04 \x01(\t\x12\"\n\x05style\x18\x05 \x01(\x0e\x32\x13.rewardbox.v1.Style\x12\x0f\n\x07workers\x18\x06 \x01(\r\x12\x13\n\x0b\x63oncurrency\x18\x07 \x01(\r\x12\x15\n\rmax_log_bytes\x18\x08 \x01(\x04\x12*\n\tisolation\x18\t \x01(\x0e\x32\x17.rewardbox.v1.Isolation\x12\x0c\n\x04warm\x18\n \x01(\r\">\n\x0bLoadRequest\x12/\n\tfunctions\x18\x01 \x03(\x0b\x32\x1c.rewardbox.v1.FunctionSource\"\xf4\x01\n\x0c\x46unctionInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x66ilename\x18\x02 \x01(\t\x12\x10\n\x08\x66unction\x18\x03 \x01(\t\x12\"\n\x05style\x18\x04 \x01(\x0e\x32\x13.rewardbox.v1.Style\x12\x10\n\x08is_async\x18\x05 \x01(\x08\x12\x11\n\tsignature\x18\x06 \x01(\t\x12\x15\n\rsource_sha256\x18\x07 \x01(\t\x12\x19\n\x11\x61\x63\x63\x65pted_keywords\x18\x08 \x03(\t\x12\x1c\n\x14\x61\x63\x63\x65pts_var_keywords\x18\t \x01(\x08\x12\x19\n\x11required_keywords\x18\n \x03(\t\"=\n\x0cLoadResponse\x12-\n\tfunctions\x18\x01 \x03(\x0b\x32\x1a.rewardbox.v1.FunctionInfo\"\xa6\x04\n\x0cTrainerState\x12\x13\n\x0bglobal_step\x18\x01 \x01(\x03\x12\x11\n\tmax_steps\x18\x02 \x01(\x03\x12\r\n\x05\x65poch\x18\x03 \x01(\x01\x12\x18\n\x10num_train_epochs\x18\x04 \x01(\x03\x12\x15\n\rlogging_steps\x18\x05 \x01(\x03\x12\x12\n\neval_steps\x18\x06 \x01(\x03\x12\x12\n\nsave_steps\x18\x07 \x01(\x03\x12\x1d\n\x10train_batch_size\x18\x08 \x01(\x03H\x00\x88\x01\x01\x12\x1d\n\x15num_input_tokens_seen\x18\t \x01(\x03\x12\x12\n\ntotal_flos\x18\n \x01(\x01\x12\x18\n\x0b\x62\x65st_metric\x18\x0b \x01(\x01H\x01\x88\x01\x01\x12\x1d\n\x10\x62\x65st_global_step\x18\x0c \x01(\x03H\x02\x88\x01\x01\x12\"\n\x15\x62\x65st_model_checkpoint\x18\r \x01(\tH\x03\x88\x01\x01\x12\x1d\n\x15is_local_process_zero\x18\x0e \x01(\x08\x12\x1d\n\x15is_world_process_zero\x18\x0f \x01(\x08\x12\x1d\n\x15is_hyper_param_search\x18\x10 \x01(\x08\x12\x17\n\ntrial_name\x18\x11 \x01(\tH\x04\x88\x01\x01\x42\x13\n\x11_train_batch_sizeB\x0e\n\x0c_best_metricB\x13\n\x11_best_global_stepB\x18\n\x16_best_model_checkpointB\r\n\x0b_trial_name\"\xbc\x01\n\x06Sample\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\ncompletion\x18\x02 \x01(\t\x12\x1c\n\x14prompt_messages_json\x18\x04 \x01(\t\x12 \n\x18\x63ompletion_messages_json\x18\x05 \x01(\t\x12\x14\n\x0c\x63olumns_json\x18\x06 \x01(\t\x12\x16\n\x0e\x63ompletion_ids\x18\x07 \x03(\x03\x12\x1a\n\x12has_completion_ids\x18\x08 \x01(\x08J\x04\x08\x03\x10\x04\"\xc0\x01\n\x0cScoreRequest\x12\x10\n\x08\x66unction\x18\x01 \x01(\t\x12%\n\x07samples\x18\x02 \x03(\x0b\x32\x14.rewardbox.v1.Sample\x12\x31\n\rtrainer_state\x18\x03 \x01(\x0b\x32\x1a.rewardbox.v1.TrainerState\x12\x19\n\x11has_trainer_state\x18\x04 \x01(\x08\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12\x16\n\x0esample_details\x18\x06 \x01(\x08\"\x9c\x01\n\x05Score\x12\x12\n\x05value\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12$\n\x06status\x18\x02 \x01(\x0e\x32\x14.rewardbox.v1.Status\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x10\n\x08\x64\x65\x66\x65rred\x18\x04 \x01(\x08\x12\x0c\n\x04logs\x18\x05 \x01(\t\x12\x14\n\x07seconds\x18\x06 \x01(\x01H\x01\x88\x01\x01\x42\x08\n\x06_valueB\n\n\x08_seconds\"P\n\x07Metrics\x12\x12\n\nelapsed_ms\x18\x01 \x01(\x01\x12\x18\n\x10workers_replaced\x18\x02 \x01(\r\x12\x17\n\x0fisolated_reruns\x18\x03 \x01(\r\"\x82\x01\n\rScoreResponse\x12#\n\x06scores\x18\x01 \x03(\x0b\x32\x13.rewardbox.v1.Score\x12\x0c\n\x04logs\x18\x02 \x01(\t\x12\x16\n\x0elogs_truncated\x18\x03 \x01(\x08\x12&\n\x07metrics\x18\x04 \x01(\x0b\x32\x15.rewardbox.v1.Metrics\"\x11\n\x0f\x44\x65scribeRequest\"\x95\x01\n\x10\x44\x65scribeResponse\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x16\n\x0epython_version\x18\x02 \x01(\t\x12\x10\n\x08platform\x18\x03 \x01(\t\x12-\n\tfunctions\x18\x04 \x03(\x0b\x32\x1a.rewardbox.v1.FunctionInfo\x12\x10\n\x08packages\x18\x05 \x03(\t*A\n\x05Style\x12\x15\n\x11STYLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cSTYLE_SAMPLE\x10\x01\x12\x0f\n\x0bSTYLE_BATCH\x10\x02*i\n\tIsolation\x12\x19\n\x15ISOLATION_UNSPECIFIED\x10\x00\x12\x14\n\x10ISOLATION_SAMPLE\x10\x01\x12\x14\n\x10ISOLATION_WORKER\x10\x02\x12\x15\n\x11ISOLATION_PROCESS\x10\x03*\x93\x01\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\r\n\tSTATUS_OK\x10\x01\x12\x10\n\x0cSTATUS_ERROR\x10\x02\x12\x12\n\x0eSTATUS_TIMEOUT\x10\x03\x12\x10\n\x0cSTATUS_CRASH\x10\x04\x12\x12\n\x0eSTATUS_INVALID\x10\x05\x12\x16\n\x12STATUS_UNAVAILABLE\x10\x06\x32\xdb\x01\n\rRewardSandbox\x12=\n\x04Load\x12\x19.rewardbox.v1.LoadRequest\x1a\x1a.rewardbox.v1.LoadResponse\x12@\n\x05Score\x12\x1a.rewardbox.v1.ScoreRequest\x1a\x1b.rewardbox.v1.ScoreResponse\x12I\n\x08\x44\x65scribe\x12\x1d.rewardbox.v1.DescribeRequest\x1a\x1e.rewardbox.v1.DescribeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rewardbox/v1/reward.proto\x12\x0crewardbox.v1\"\x80\x02\n\x0e\x46unctionSource\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x66ilename\x18\x02 \x01(\t\x12\x0e\n\x06source\x18\x03 \x01(\t\x12\x10\n\x08\x66unction\x18\x04 \x01(\t\x12\"\n\x05style\x18\x05 \x01(\x0e\x32\x13.rewardbox.v1.Style\x12\x0f\n\x07workers\x18\x06 \x01(\r\x12\x13\n\x0b\x63oncurrency\x18\x07 \x01(\r\x12\x15\n\rmax_log_bytes\x18\x08 \x01(\x04\x12*\n\tisolation\x18\t \x01(\x0e\x32\x17.rewardbox.v1.Isolation\x12\x0c\n\x04warm\x18\n \x01(\r\x12\x11\n\targs_json\x18\x0b \x01(\t\">\n\x0bLoadRequest\x12/\n\tfunctions\x18\x01 \x03(\x0b\x32\x1c.rewardbox.v1.FunctionSource\"\xf4\x01\n\x0c\x46unctionInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x66ilename\x18\x02 \x01(\t\x12\x10\n\x08\x66unction\x18\x03 \x01(\t\x12\"\n\x05style\x18\x04 \x01(\x0e\x32\x13.rewardbox.v1.Style\x12\x10\n\x08is_async\x18\x05 \x01(\x08\x12\x11\n\tsignature\x18\x06 \x01(\t\x12\x15\n\rsource_sha256\x18\x07 \x01(\t\x12\x19\n\x11\x61\x63\x63\x65pted_keywords\x18\x08 \x03(\t\x12\x1c\n\x14\x61\x63\x63\x65pts_var_keywords\x18\t \x01(\x08\x12\x19\n\x11required_keywords\x18\n \x03(\t\"=\n\x0cLoadResponse\x12-\n\tfunctions\x18\x01 \x03(\x0b\x32\x1a.rewardbox.v1.FunctionInfo\"\xa6\x04\n\x0cTrainerState\x12\x13\n\x0bglobal_step\x18\x01 \x01(\x03\x12\x11\n\tmax_steps\x18\x02 \x01(\x03\x12\r\n\x05\x65poch\x18\x03 \x01(\x01\x12\x18\n\x10num_train_epochs\x18\x04 \x01(\x03\x12\x15\n\rlogging_steps\x18\x05 \x01(\x03\x12\x12\n\neval_steps\x18\x06 \x01(\x03\x12\x12\n\nsave_steps\x18\x07 \x01(\x03\x12\x1d\n\x10train_batch_size\x18\x08 \x01(\x03H\x00\x88\x01\x01\x12\x1d\n\x15num_input_tokens_seen\x18\t \x01(\x03\x12\x12\n\ntotal_flos\x18\n \x01(\x01\x12\x18\n\x0b\x62\x65st_metric\x18\x0b \x01(\x01H\x01\x88\x01\x01\x12\x1d\n\x10\x62\x65st_global_step\x18\x0c \x01(\x03H\x02\x88\x01\x01\x12\"\n\x15\x62\x65st_model_checkpoint\x18\r \x01(\tH\x03\x88\x01\x01\x12\x1d\n\x15is_local_process_zero\x18\x0e \x01(\x08\x12\x1d\n\x15is_world_process_zero\x18\x0f \x01(\x08\x12\x1d\n\x15is_hyper_param_search\x18\x10 \x01(\x08\x12\x17\n\ntrial_name\x18\x11 \x01(\tH\x04\x88\x01\x01\x42\x13\n\x11_train_batch_sizeB\x0e\n\x0c_best_metricB\x13\n\x11_best_global_stepB\x18\n\x16_best_model_checkpointB\r\n\x0b_trial_name\"\xbc\x01\n\x06Sample\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\ncompletion\x18\x02 \x01(\t\x12\x1c\n\x14prompt_messages_json\x18\x04 \x01(\t\x12 \n\x18\x63ompletion_messages_json\x18\x05 \x01(\t\x12\x14\n\x0c\x63olumns_json\x18\x06 \x01(\t\x12\x16\n\x0e\x63ompletion_ids\x18\x07 \x03(\x03\x12\x1a\n\x12has_completion_ids\x18\x08 \x01(\x08J\x04\x08\x03\x10\x04\"\xc0\x01\n\x0cScoreRequest\x12\x10\n\x08\x66unction\x18\x01 \x01(\t\x12%\n\x07samples\x18\x02 \x03(\x0b\x32\x14.rewardbox.v1.Sample\x12\x31\n\rtrainer_state\x18\x03 \x01(\x0b\x32\x1a.rewardbox.v1.TrainerState\x12\x19\n\x11has_trainer_state\x18\x04 \x01(\x08\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12\x16\n\x0esample_details\x18\x06 \x01(\x08\"\x9c\x01\n\x05Score\x12\x12\n\x05value\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12$\n\x06status\x18\x02 \x01(\x0e\x32\x14.rewardbox.v1.Status\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x10\n\x08\x64\x65\x66\x65rred\x18\x04 \x01(\x08\x12\x0c\n\x04logs\x18\x05 \x01(\t\x12\x14\n\x07seconds\x18\x06 \x01(\x01H\x01\x88\x01\x01\x42\x08\n\x06_valueB\n\n\x08_seconds\"P\n\x07Metrics\x12\x12\n\nelapsed_ms\x18\x01 \x01(\x01\x12\x18\n\x10workers_replaced\x18\x02 \x01(\r\x12\x17\n\x0fisolated_reruns\x18\x03 \x01(\r\"\x82\x01\n\rScoreResponse\x12#\n\x06scores\x18\x01 \x03(\x0b\x32\x13.rewardbox.v1.Score\x12\x0c\n\x04logs\x18\x02 \x01(\t\x12\x16\n\x0elogs_truncated\x18\x03 \x01(\x08\x12&\n\x07metrics\x18\x04 \x01(\x0b\x32\x15.rewardbox.v1.Metrics\"\x11\n\x0f\x44\x65scribeRequest\"\x95\x01\n\x10\x44\x65scribeResponse\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x16\n\x0epython_version\x18\x02 \x01(\t\x12\x10\n\x08platform\x18\x03 \x01(\t\x12-\n\tfunctions\x18\x04 \x03(\x0b\x32\x1a.rewardbox.v1.FunctionInfo\x12\x10\n\x08packages\x18\x05 \x03(\t*A\n\x05Style\x12\x15\n\x11STYLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cSTYLE_SAMPLE\x10\x01\x12\x0f\n\x0bSTYLE_BATCH\x10\x02*i\n\tIsolation\x12\x19\n\x15ISOLATION_UNSPECIFIED\x10\x00\x12\x14\n\x10ISOLATION_SAMPLE\x10\x01\x12\x14\n\x10ISOLATION_WORKER\x10\x02\x12\x15\n\x11ISOLATION_PROCESS\x10\x03*\x93\x01\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\r\n\tSTATUS_OK\x10\x01\x12\x10\n\x0cSTATUS_ERROR\x10\x02\x12\x12\n\x0eSTATUS_TIMEOUT\x10\x03\x12\x10\n\x0cSTATUS_CRASH\x10\x04\x12\x12\n\x0eSTATUS_INVALID\x10\x05\x12\x16\n\x12STATUS_UNAVAILABLE\x10\x06\x32\xdb\x01\n\rRewardSandbox\x12=\n\x04Load\x12\x19.rewardbox.v1.LoadRequest\x1a\x1a.rewardbox.v1.LoadResponse\x12@\n\x05Score\x12\x1a.rewardbox.v1.ScoreRequest\x1a\x1b.rewardbox.v1.ScoreResponse\x12I\n\x08\x44\x65scribe\x12\x1d.rewardbox.v1.DescribeRequest\x1a\x1e.rewardbox.v1.DescribeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rewardbox.v1.reward_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STYLE']._serialized_start=2141
-  _globals['_STYLE']._serialized_end=2206
-  _globals['_ISOLATION']._serialized_start=2208
-  _globals['_ISOLATION']._serialized_end=2313
-  _globals['_STATUS']._serialized_start=2316
-  _globals['_STATUS']._serialized_end=2463
+  _globals['_STYLE']._serialized_start=2160
+  _globals['_STYLE']._serialized_end=2225
+  _globals['_ISOLATION']._serialized_start=2227
+  _globals['_ISOLATION']._serialized_end=2332
+  _globals['_STATUS']._serialized_start=2335
+  _globals['_STATUS']._serialized_end=2482
   _globals['_FUNCTIONSOURCE']._serialized_start=44
-  _globals['_FUNCTIONSOURCE']._serialized_end=281
-  _globals['_LOADREQUEST']._serialized_start=283
-  _globals['_LOADREQUEST']._serialized_end=345
-  _globals['_FUNCTIONINFO']._serialized_start=348
-  _globals['_FUNCTIONINFO']._serialized_end=592
-  _globals['_LOADRESPONSE']._serialized_start=594
-  _globals['_LOADRESPONSE']._serialized_end=655
-  _globals['_TRAINERSTATE']._serialized_start=658
-  _globals['_TRAINERSTATE']._serialized_end=1208
-  _globals['_SAMPLE']._serialized_start=1211
-  _globals['_SAMPLE']._serialized_end=1399
-  _globals['_SCOREREQUEST']._serialized_start=1402
-  _globals['_SCOREREQUEST']._serialized_end=1594
-  _globals['_SCORE']._serialized_start=1597
-  _globals['_SCORE']._serialized_end=1753
-  _globals['_METRICS']._serialized_start=1755
-  _globals['_METRICS']._serialized_end=1835
-  _globals['_SCORERESPONSE']._serialized_start=1838
-  _globals['_SCORERESPONSE']._serialized_end=1968
-  _globals['_DESCRIBEREQUEST']._serialized_start=1970
-  _globals['_DESCRIBEREQUEST']._serialized_end=1987
-  _globals['_DESCRIBERESPONSE']._serialized_start=1990
-  _globals['_DESCRIBERESPONSE']._serialized_end=2139
-  _globals['_REWARDSANDBOX']._serialized_start=2466
-  _globals['_REWARDSANDBOX']._serialized_end=2685
+  _globals['_FUNCTIONSOURCE']._serialized_end=300
+  _globals['_LOADREQUEST']._serialized_start=302
+  _globals['_LOADREQUEST']._serialized_end=364
+  _globals['_FUNCTIONINFO']._serialized_start=367
+  _globals['_FUNCTIONINFO']._serialized_end=611
+  _globals['_LOADRESPONSE']._serialized_start=613
+  _globals['_LOADRESPONSE']._serialized_end=674
+  _globals['_TRAINERSTATE']._serialized_start=677
+  _globals['_TRAINERSTATE']._serialized_end=1227
+  _globals['_SAMPLE']._serialized_start=1230
+  _globals['_SAMPLE']._serialized_end=1418
+  _globals['_SCOREREQUEST']._serialized_start=1421
+  _globals['_SCOREREQUEST']._serialized_end=1613
+  _globals['_SCORE']._serialized_start=1616
+  _globals['_SCORE']._serialized_end=1772
+  _globals['_METRICS']._serialized_start=1774
+  _globals['_METRICS']._serialized_end=1854
+  _globals['_SCORERESPONSE']._serialized_start=1857
+  _globals['_SCORERESPONSE']._serialized_end=1987
+  _globals['_DESCRIBEREQUEST']._serialized_start=1989
+  _globals['_DESCRIBEREQUEST']._serialized_end=2006
+  _globals['_DESCRIBERESPONSE']._serialized_start=2009
+  _globals['_DESCRIBERESPONSE']._serialized_end=2158
+  _globals['_REWARDSANDBOX']._serialized_start=2485
+  _globals['_REWARDSANDBOX']._serialized_end=2704
 # @@protoc_insertion_point(module_scope)

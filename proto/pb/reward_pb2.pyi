@@ -45,7 +45,7 @@ STATUS_INVALID: Status
 STATUS_UNAVAILABLE: Status
 
 class FunctionSource(_message.Message):
-    __slots__ = ("name", "filename", "source", "function", "style", "workers", "concurrency", "max_log_bytes", "isolation", "warm")
+    __slots__ = ("name", "filename", "source", "function", "style", "workers", "concurrency", "max_log_bytes", "isolation", "warm", "args_json")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FILENAME_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class FunctionSource(_message.Message):
     MAX_LOG_BYTES_FIELD_NUMBER: _ClassVar[int]
     ISOLATION_FIELD_NUMBER: _ClassVar[int]
     WARM_FIELD_NUMBER: _ClassVar[int]
+    ARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     name: str
     filename: str
     source: str
@@ -66,7 +67,8 @@ class FunctionSource(_message.Message):
     max_log_bytes: int
     isolation: Isolation
     warm: int
-    def __init__(self, name: _Optional[str] = ..., filename: _Optional[str] = ..., source: _Optional[str] = ..., function: _Optional[str] = ..., style: _Optional[_Union[Style, str]] = ..., workers: _Optional[int] = ..., concurrency: _Optional[int] = ..., max_log_bytes: _Optional[int] = ..., isolation: _Optional[_Union[Isolation, str]] = ..., warm: _Optional[int] = ...) -> None: ...
+    args_json: str
+    def __init__(self, name: _Optional[str] = ..., filename: _Optional[str] = ..., source: _Optional[str] = ..., function: _Optional[str] = ..., style: _Optional[_Union[Style, str]] = ..., workers: _Optional[int] = ..., concurrency: _Optional[int] = ..., max_log_bytes: _Optional[int] = ..., isolation: _Optional[_Union[Isolation, str]] = ..., warm: _Optional[int] = ..., args_json: _Optional[str] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("functions",)
