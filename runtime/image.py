@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from importlib.util import find_spec
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import docker
 import docker.errors
@@ -44,8 +44,15 @@ from .errors import ConfigError, ImageBuildError, ImagePushError
 from .spec import RewardSpec, is_local_package
 from .wire import VERSION
 
-if TYPE_CHECKING:
-    from .backends.docker import DockerSettings
+
+
+class BuildSettings(Protocol):
+    """What the builder reads of the docker backend's settings (``rewardbox.backends.docker.DockerSettings``): the
+    backend uses the builder, so the builder does not import the backend."""
+
+    base_image: str
+    pip_args: list
+    system_packages_from: str
 
 log = logging.getLogger("rewardbox")
 
@@ -312,7 +319,7 @@ class ImageBuilder:
                               system_packages, system_packages_from)
         return f"{recipe.repo}:{digest[:20]}", target
 
-    def ensure_images(self, rewards: Sequence[RewardSpec], settings: "DockerSettings",
+    def ensure_images(self, rewards: Sequence[RewardSpec], settings: BuildSettings,
                       force: bool = False) -> dict[tuple, tuple[str, list[str]]]:
         """One image per distinct package set of the rewards: {:func:`image_key`: (tag, names of the rewards)}.
 
@@ -346,7 +353,7 @@ class ImageBuilder:
         """The tag of the service image on ``base_image`` (may be ``auto``), without building it."""
         return self._identity(self.base_images.resolve(base_image), (), pip_args, _service_recipe())[0]
 
-    def ensure_service(self, settings: "DockerSettings", force: bool = False) -> str:
+    def ensure_service(self, settings: BuildSettings, force: bool = False) -> str:
         """Returns the tag of the service image (``rewardbox serve``) on the sandbox images' base image, building it
         only when no such image exists.
 

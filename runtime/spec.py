@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from .backends.registry import AUTO, backend_names, backend_type
+from .registry import AUTO, backend_names, backend_type
 from .errors import ConfigError
 from .wire import DEFAULT_CONCURRENCY, DEFAULT_MAX_LOG_BYTES, DEFAULT_WORKERS
 

@@ -79,3 +79,49 @@ def test_importing_the_host_side_loads_no_sandbox_module_and_starts_no_process()
     assert out.returncode == 0, out.stderr
     modules, children = out.stdout.splitlines()
     assert modules == "[]" and children.strip() == ""
+
+
+def test_the_host_package_imports_in_one_direction():
+    """No two modules of the host side import each other, directly or through others, counting imports made only
+    for type checking and the package ``__init__`` an import runs (the config model, the backend registry, the
+    backends and the image builder each depend in one direction)."""
+    package = LAYERS["runtime"]
+    modules = {}
+    for path in (ROOT / "runtime").rglob("*.py"):
+        parts = list(path.relative_to(ROOT / "runtime").with_suffix("").parts)
+        modules[".".join([package, *(parts[:-1] if parts[-1] == "__init__" else parts)])] = path
+    graph: dict = {}
+    for name, path in modules.items():
+        here = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        deps = graph.setdefault(name, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level):
+                continue
+            base = here.split(".")[: len(here.split(".")) - node.level + 1]
+            target = ".".join(base + ([node.module] if node.module else []))
+            for imported in [target, *(f"{target}.{alias.name}" for alias in node.names)]:
+                parts = imported.split(".")
+                for k in range(2, len(parts) + 1):  # importing a.b.c runs a.b's __init__ too
+                    module = ".".join(parts[:k])
+                    if module in modules and module != name and not name.startswith(module + "."):
+                        deps.add(module)
+
+    def cycle_from(start: str) -> list:
+        path, seen = [start], set()
+
+        def visit(node: str) -> bool:
+            for nxt in sorted(graph[node]):
+                if nxt == start:
+                    return True
+                if nxt not in seen:
+                    seen.add(nxt)
+                    path.append(nxt)
+                    if visit(nxt):
+                        return True
+                    path.pop()
+            return False
+
+        return path if visit(start) else []
+
+    cycles = [cycle_from(name) for name in sorted(graph)]
+    assert not any(cycles), [" -> ".join(c + [c[0]]) for c in cycles if c]

@@ -6,7 +6,7 @@ conformance suite in ``tests/backends``.
 """
 
 from .base import Backend, BackendSettings, ExternalSandbox, Sandbox, reward_environment
-from .registry import (
+from ..registry import (
     AUTO,
     ENTRY_POINT_GROUP,
     BackendType,

@@ -21,7 +21,7 @@ from pydantic import Field
 from ..spec import RewardSpec
 from ..transport import Endpoint
 from .base import BackendSettings, ExternalSandbox
-from .registry import BackendType
+from ..registry import BackendType
 
 
 class AttachedSettings(BackendSettings):

@@ -28,7 +28,7 @@ from ..spec import RewardSpec
 from ..wire import DEFAULT_WARM, GVISOR_WARM, SLOT_UID_BASE, sandbox_slots
 from .base import BackendSettings, reward_environment
 from .containers import LABEL, ContainerSpec, DockerSandbox, is_gvisor, remove_leftovers
-from .registry import BackendType
+from ..registry import BackendType
 
 log = logging.getLogger("rewardbox")
 

@@ -19,7 +19,7 @@ from ..errors import BackendError
 from ..spec import RewardSpec
 from ..transport import Endpoint
 from .base import BackendSettings, reward_environment
-from .registry import BackendType
+from ..registry import BackendType
 
 log = logging.getLogger("rewardbox")
 

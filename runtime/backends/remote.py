@@ -31,7 +31,7 @@ from ..errors import BackendError, ConfigError, TransportError
 from ..spec import RewardSpec
 from ..transport import Endpoint, GrpcTransport, Transport
 from .base import BackendSettings, ExternalSandbox
-from .registry import BackendType
+from ..registry import BackendType
 
 log = logging.getLogger("rewardbox")
 

@@ -18,7 +18,7 @@ from rewardbox.backends import (
     create_backend,
     register_backend,
 )
-from rewardbox.backends import registry
+from rewardbox import registry
 from rewardbox.backends.docker import DockerSettings
 from rewardbox.backends.local import LocalBackend
 

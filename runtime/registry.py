@@ -20,15 +20,20 @@ import re
 import threading
 from dataclasses import dataclass
 from importlib import metadata
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 from pydantic import BaseModel
 
-from ..errors import BackendError, ConfigError
+from .errors import BackendError, ConfigError
 
-if TYPE_CHECKING:
-    from ..spec import SandboxSettings
-    from .base import Backend
+
+class ConfiguredSandbox(Protocol):
+    """What :func:`create_backend` reads of a config's ``sandbox:`` section (``rewardbox.spec.SandboxSettings``):
+    the registry is below the config model and the backends, and imports neither."""
+
+    backend: str
+
+    def backend_settings(self, name: str) -> BaseModel: ...
 
 log = logging.getLogger("rewardbox")
 
@@ -55,7 +60,7 @@ class BackendType:
 
     name: str
     settings_type: type[BaseModel]
-    create: Callable[[Any], "Backend"]
+    create: Callable[[Any], Any]  # settings section -> a rewardbox.backends.base.Backend
     isolated: bool
     summary: str = ""
 
@@ -149,7 +154,7 @@ def backend_types() -> list[BackendType]:
     return [backend_type(name) for name in backend_names()]
 
 
-def create_backend(settings: "SandboxSettings") -> "Backend":
+def create_backend(settings: ConfiguredSandbox) -> Any:
     """The backend ``settings.backend`` names, made from its settings section.
 
     Raises:
