@@ -71,7 +71,7 @@ def _check(result: int, what: str) -> None:
 
 
 def _set_capabilities(keep) -> None:
-    """Sets this process's effective, permitted and inheritable capabilities to what ``keep(index, sets)`` keeps."""
+    """Sets each of this process's effective, permitted and inheritable capability sets to ``keep(bits)`` of it."""
     header, data = _CapHeader(_CAPABILITY_VERSION_3, 0), (_CapData * 2)()
     _check(_libc.capget(ctypes.byref(header), data), "capget")
     for word in data:
