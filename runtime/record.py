@@ -95,11 +95,12 @@ def connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
     return db
 
 
-def file_digest(path: Optional[Path]) -> str:
+def file_digest(path: Optional[Path]) -> Optional[str]:
+    """The SHA-256 of a file (hex), or None when it cannot be read."""
     try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12] if path else ""
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else None
     except OSError:
-        return ""
+        return None
 
 
 def _text(value: Any) -> tuple[str, Optional[str]]:
@@ -179,8 +180,10 @@ class RunRecorder:
         self._writer.start()
 
     # -- what the trainer's rewards report ------------------------------------------------------------------------
-    def new_version(self, name: str, digest: str, step: Optional[int]) -> None:
-        """A reward's file changed (and loaded) at ``step``: later scores carry its next version label."""
+    def new_version(self, name: str, digest: Optional[str], step: Optional[int]) -> None:
+        """A reward's file changed (and loaded) at ``step``: later scores carry its next version label. ``digest``:
+        the file's SHA-256 (kept to 12 hex digits)."""
+        digest = (digest or "")[:12]
         with self._lock:
             current = self._versions.get(name)
             if current is not None and current[1] == digest:

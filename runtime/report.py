@@ -93,13 +93,17 @@ class Record:
                               f"reads version {SCHEMA_VERSION}: open it with the rewardbox that wrote it")
 
     # -- the views' queries ---------------------------------------------------------------------------------------
+    def rewards(self) -> list[dict]:
+        return self.rows("SELECT name, weight FROM rewards ORDER BY position")
+
+    def versions(self) -> list[dict]:
+        return self.rows("SELECT reward, version, digest, first_step FROM versions ORDER BY reward, first_step")
+
     def meta(self) -> dict:
         counts = self.db().execute("SELECT COUNT(*), COALESCE(MAX(step), -1), COUNT(DISTINCT prompt_id) "
                                    "FROM completions").fetchone()
         return {"record": str(self.path), "completions": counts[0], "last_step": counts[1], "prompts": counts[2],
-                "rewards": self.rows("SELECT name, weight FROM rewards ORDER BY position"),
-                "versions": self.rows("SELECT reward, version, digest, first_step FROM versions "
-                                      "ORDER BY reward, first_step"),
+                "rewards": self.rewards(), "versions": self.versions(),
                 "num_generations": int((self.db().execute(
                     "SELECT value FROM meta WHERE key = 'num_generations'").fetchone() or ["1"])[0])}
 
@@ -120,7 +124,7 @@ class Record:
             + ", COUNT(*) AS n FROM scores GROUP BY reward, step ORDER BY step")
         latency = self.rows("SELECT step, reward, AVG(latency_s) AS latency_s FROM calls GROUP BY step, reward "
                             "ORDER BY step")
-        return {"steps": steps, "rewards": per_reward, "latency": latency, "versions": self.meta()["versions"]}
+        return {"steps": steps, "rewards": per_reward, "latency": latency, "versions": self.versions()}
 
     def prompts(self, q: str = "", sort: str = "last_step", order: str = "desc", offset: int = 0,
                 limit: int = 50) -> dict:
@@ -226,7 +230,7 @@ class Record:
     def signals(self) -> list[dict]:
         """Patterns a person would otherwise hunt for; each names the completions concerned (at most 500 ids)."""
         found = []
-        rewards = [r["name"] for r in self.meta()["rewards"]]
+        rewards = [r["name"] for r in self.rewards()]
         bounds = {}
         for name in rewards:  # each MIN and MAX is one look-up in the (reward, status, value) index
             lo = self.db().execute("SELECT MIN(value) FROM scores WHERE reward = ? AND status = 'ok'", (name,))

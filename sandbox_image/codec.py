@@ -145,6 +145,12 @@ def answer_length(data: bytes, samples: int, start: int = 0) -> Optional[int]:
     return offset + log_length - start
 
 
+def _seconds(value: float) -> Optional[float]:
+    """A sample's own time as its process measured it (shown, never used to decide anything), or None when it is
+    unknown (NaN) or not a time at all."""
+    return value if math.isfinite(value) and 0 <= value <= MAX_SECONDS else None
+
+
 def decode_clean_units(data: bytearray, start: int, samples: int, units: int, max_log_bytes: int,
                        clean: int) -> tuple[list, int]:
     """Parses, from ``start``, up to ``units`` consecutive streamed answers of ``samples`` samples that have all
@@ -166,8 +172,7 @@ def decode_clean_units(data: bytearray, start: int, samples: int, units: int, ma
                     and code == _OK_WIRE and data[start + _ONE.size] == clean \
                     and (has_value == 0 or (has_value == 1 and math.isfinite(value))):
                 results.append(ChunkResult([value if has_value else None], [Status.OK], [""], "", 0,
-                                           [seconds if math.isfinite(seconds) and 0 <= seconds <= MAX_SECONDS
-                                            else None]))
+                                           [_seconds(seconds)]))
                 start += _ONE.size + 1
                 continue
         length = answer_length(data, samples, start)
@@ -198,8 +203,7 @@ def decode_result(data: bytes, samples: int, max_log_bytes: int) -> ChunkResult:
         if offset + _SAMPLE.size > len(data):
             raise MalformedResult("the worker's answer is truncated")
         code, has_value, value, error_length, seconds = _SAMPLE.unpack_from(data, offset)
-        # The sample's own time, as its process measured it: shown, never used to decide anything.
-        times.append(seconds if math.isfinite(seconds) and 0 <= seconds <= MAX_SECONDS else None)
+        times.append(_seconds(seconds))
         offset += _SAMPLE.size
         status = _WORKER_STATUSES.get(code)
         if status is None or has_value not in (0, 1) or error_length > MAX_ERROR_BYTES:

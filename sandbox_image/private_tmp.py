@@ -118,6 +118,12 @@ def enter_as_user(directory: str) -> None:
         _libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
 
 
+def home(mode: str, directory: str) -> str:
+    """Where a process of a slot (or its program) works, and its HOME and TMPDIR: ``/tmp`` where its directory is
+    mounted there, else the directory itself."""
+    return PATH if mode else directory
+
+
 def root_of(uid: int) -> str:
     return os.path.join(ROOTS, str(uid))
 
@@ -145,12 +151,15 @@ def build_roots(directories: dict, hidden: tuple) -> None:
     os.chmod(ROOTS, 0o711)  # nobody can list the roots; each is entered by its path, as root
 
 
-def enter(mode: str, uid: int, directory: str, as_root: bool) -> None:
-    """The step of ``mode`` that belongs where the caller is: ``as_root`` before the uid change, else after it."""
-    if mode == "chroot" and as_root:
+def become(mode: str, uid: int, directory: str) -> None:
+    """Takes ``uid`` for good (the caller is root, its gid already set; no capability is left after this) with
+    ``directory`` on ``/tmp`` as ``mode`` makes it (none for ``""``): ``chroot`` before the uid change, ``userns``
+    after it."""
+    if mode == "chroot":
         os.chroot(root_of(uid))
         os.chdir("/")
-    elif mode == "userns" and not as_root:
+    os.setresuid(uid, uid, uid)
+    if mode == "userns":
         enter_as_user(directory)
 
 
@@ -168,9 +177,7 @@ def probe(mode: str, uid: int, directory: str) -> Optional[str]:
             expected = os.stat(directory).st_dev
             os.setgroups([])
             os.setresgid(uid, uid, uid)
-            enter(mode, uid, directory, as_root=True)
-            os.setresuid(uid, uid, uid)
-            enter(mode, uid, directory, as_root=False)
+            become(mode, uid, directory)
             name = os.path.join(PATH, ".rewardbox-probe")
             with open(name, "w") as f:
                 f.write("ok")

@@ -73,7 +73,7 @@ class RunSlot:
     @property
     def home(self) -> str:
         """cwd, HOME and TMPDIR of its programs: their directory, mounted on /tmp where it can be."""
-        return private_tmp.PATH if self.private_tmp else self.directory
+        return private_tmp.home(self.private_tmp, self.directory)
 
 
 # -- one program ----------------------------------------------------------------------------------------------------
@@ -249,9 +249,7 @@ class Monitor:
                 resource.setrlimit(resource.RLIMIT_NPROC, (limits.nproc, limits.nproc))
             os.umask(0o077)
             if uid is not None:
-                private_tmp.enter(self.slot.private_tmp, uid, self.slot.directory, as_root=True)
-                os.setresuid(uid, uid, uid)  # no capability is left after this
-                private_tmp.enter(self.slot.private_tmp, uid, self.slot.directory, as_root=False)
+                private_tmp.become(self.slot.private_tmp, uid, self.slot.directory)  # no capability left after
             seccomp.install(network=False)
             os.chdir(self.slot.home)
             os.execvpe(argv[0], argv, env)

@@ -110,9 +110,7 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
             mark = remove_ipc(slot.uid, mark)
         empty(slot.directory)
         os.seteuid(0)  # the capabilities return (the saved uid is 0) for the one last change
-        private_tmp.enter(slot.private_tmp, slot.uid, slot.directory, as_root=True)
-        os.setresuid(slot.uid, slot.uid, slot.uid)  # no capability is left after this
-        private_tmp.enter(slot.private_tmp, slot.uid, slot.directory, as_root=False)
+        private_tmp.become(slot.private_tmp, slot.uid, slot.directory)  # no capability is left after this
         seccomp.install()  # no SysV IPC, message queues, ptrace, keyrings: for this process and all it starts
     else:
         os.makedirs(slot.directory, mode=0o700, exist_ok=True)
@@ -131,7 +129,7 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
         # cgroup against each other: the container's share of the machine is unchanged). Whatever a sample leaves
         # spinning cannot slow down the template that cleans up after it, nor the server.
         os.setpriority(os.PRIO_PROCESS, 0, SAMPLE_NICE)
-    home = private_tmp.PATH if slot.private_tmp else slot.directory
+    home = private_tmp.home(slot.private_tmp, slot.directory)
     os.chdir(home)
     if any(os.environ.get(name) != home for name in HOME_VARIABLES):  # the template set them where it could
         os.environ.update(dict.fromkeys(HOME_VARIABLES, home))

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import threading
@@ -130,9 +129,9 @@ class RunRecordCallback(TrainerCallback):
     def new_version(self, name: str, digest: str, step: int) -> None:
         """A reward's edited file was loaded at ``step`` (from RewardReloadCallback)."""
         if self.recorder is not None:
-            self.recorder.new_version(name, digest[:12], step)
+            self.recorder.new_version(name, digest, step)
         else:
-            self._versions.append((name, digest[:12], step))
+            self._versions.append((name, digest, step))
 
     def on_train_end(self, args, state, control, **kwargs):
         self.close()
@@ -182,13 +181,6 @@ def _mtime(path: Path) -> Optional[int]:
         return None
 
 
-def _digest(path: Path) -> Optional[str]:
-    try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError:
-        return None
-
-
 class RewardReloadCallback(TrainerCallback):
     """Before each step, reloads reward files that changed on disk into their running sandboxes.
 
@@ -200,7 +192,7 @@ class RewardReloadCallback(TrainerCallback):
         self.reward_log = reward_log
         self.on_reload = on_reload  # called with (name, new digest, step) after a reload
         self._paths = {r.name: sandboxes.config.source_path(r) for r in sandboxes.config.rewards}
-        self._seen = {name: (_mtime(path), _digest(path)) for name, path in self._paths.items()}
+        self._seen = {name: (_mtime(path), file_digest(path)) for name, path in self._paths.items()}
 
     def check(self, step: int) -> list[str]:
         """Reloads what changed; returns the names reloaded. Only a file whose mtime moved is read."""
@@ -210,7 +202,7 @@ class RewardReloadCallback(TrainerCallback):
             new_mtime = _mtime(path)
             if new_mtime == mtime:
                 continue
-            new_digest = _digest(path)
+            new_digest = file_digest(path)
             if new_digest is None:
                 continue
             if new_digest == digest:
