@@ -7,6 +7,10 @@
     from rewardbox import train
     train("config.yaml")            # the whole GRPO run from one file (needs the `train` extra)
 
+    import rewardbox                # a script's own reward functions, each in a sandbox
+    with rewardbox.sandboxed([accuracy_reward, my_reward], packages=["math-verify"]) as reward_funcs:
+        GRPOTrainer(..., reward_funcs=reward_funcs).train()
+
 Subpackages: ``rewardbox.backends`` (where sandboxes run; :func:`register_backend` adds one),
 ``rewardbox.trainer`` (GRPO entry point), ``rewardbox.wire`` (what host and sandbox share) and
 ``rewardbox.sandbox`` (the sandbox server, which the host never imports).
@@ -43,6 +47,8 @@ _EXPORTS = {
     "build_samples": ".samples",
     "samples_from_rows": ".samples",
     "RewardSandboxes": ".session",
+    "sandboxed": ".dropin",
+    "configure": ".dropin",
     "RewardSpec": ".spec",
     "RewardboxConfig": ".spec",
     "SandboxSettings": ".spec",
@@ -79,6 +85,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (re-exports, listed in __al
     from .replica import Replica  # noqa: F401
     from .reward import SandboxedReward  # noqa: F401
     from .samples import build_samples, samples_from_rows  # noqa: F401
+    from .dropin import configure, sandboxed  # noqa: F401
     from .session import RewardSandboxes  # noqa: F401
     from .spec import RewardboxConfig, RewardSpec, SandboxSettings, load_config, parse_config  # noqa: F401
     from .trainer import TrainConfig, load_train_config, train  # noqa: F401

@@ -210,3 +210,35 @@ def test_a_reward_that_does_not_load_leaves_nothing_running(start, harness, back
     [backend] = backends
     assert len(backend.made) == 2
     assert [harness.leftover(sandbox) for sandbox in backend.made] == [None, None]
+
+
+# rewardbox.sandboxed on every backend: functions of this (not installed) module go by value, as a script's would.
+_OFFSET = 0.25
+
+
+def _shipped_length(completions, **kwargs):
+    return [len(c) + _OFFSET for c in completions]
+
+
+def _scaled(scale):
+    def scaled(prompt, completion, example):
+        return scale * float(example["n"])
+    return scaled
+
+
+def test_sandboxed_runs_a_modules_function_and_a_factory_closure(harness, request):
+    from rewardbox import sandboxed
+
+    config = load_config(request.getfixturevalue("write_config")([{"name": "probe", "code": REWARD}],
+                                                                 harness.sandbox))
+    backend = Recording(harness.make(config))
+    try:
+        with sandboxed([_shipped_length, _scaled(3)], backend=backend, sandbox=harness.sandbox) as funcs:
+            assert [f.__name__ for f in funcs] == ["_shipped_length", "scaled"]
+            assert len(backend.made) == 2  # each in a sandbox of this backend
+            completions, n = ["a", "bbb"], [2, 5]
+            assert run(funcs[0](prompts=["p", "p"], completions=completions, n=n)) == [1.25, 3.25]
+            assert run(funcs[1](prompts=["p", "p"], completions=completions, n=n)) == [6.0, 15.0]
+    finally:
+        backend.close()
+    assert [harness.leftover(sandbox) for sandbox in backend.made] == [None, None]
