@@ -11,8 +11,9 @@ more than the wire's scores and text.
 
 What goes by value and what by reference (the sandbox imports it):
 
-- by value: ``__main__`` (cloudpickle's own rule), modules of no installed distribution (the user's own files), and
-  TRL (:data:`BY_VALUE`: pure Python, and installing it would pull torch into the sandbox);
+- by value: ``__main__`` (cloudpickle's own rule), modules of no installed distribution (the user's own files),
+  distributions installed from a folder (``pip install -e .`` of the user's project: no index has them), and TRL
+  (:data:`BY_VALUE`: pure Python, and installing it would pull torch into the sandbox);
 - by reference: the standard library, ``rewardbox`` (every sandbox image holds it), and the distributions the
   reward names in ``packages``; any other installed distribution the code refers to is added to ``packages`` at the
   host's version, except the trainer's own stack (:data:`TRAINER_STACK`: gigabytes, and never what a reward should
@@ -28,6 +29,7 @@ import base64
 import importlib.metadata
 import inspect
 import io
+import json
 import pickle
 import sys
 import types
@@ -107,6 +109,16 @@ def _pickle(fn: Any) -> tuple[bytes, _Recorder]:
     return buffer.getvalue(), recorder
 
 
+def _from_a_folder(distribution: str) -> bool:
+    """Whether a distribution was installed from a folder of this machine (``pip install -e .`` of the user's own
+    project): no package index has it, so its code goes by value like a module of no distribution."""
+    try:
+        text = importlib.metadata.distribution(distribution).read_text("direct_url.json")
+        return bool(text) and str(json.loads(text).get("url", "")).startswith("file:")
+    except (importlib.metadata.PackageNotFoundError, ValueError, AttributeError):
+        return False
+
+
 def _is_standard(top: str) -> bool:
     return top in sys.stdlib_module_names or top in sys.builtin_module_names or top.startswith("_")
 
@@ -125,7 +137,7 @@ class Shipper:
         if _is_standard(top) or top in ALWAYS_THERE or top not in sys.modules:
             return False
         distribution = self._distribution(top)
-        return distribution is None or canonicalize_name(distribution) in BY_VALUE
+        return distribution is None or canonicalize_name(distribution) in BY_VALUE or _from_a_folder(distribution)
 
     def ship(self, fn: Callable, attribute: str, label: str, packages: list[str]) -> Shipment:
         """Serializes ``fn`` by value into a module whose ``attribute`` is it. ``label`` names it in errors

@@ -4,6 +4,7 @@ sandboxed() on every backend, and tests/trainer/test_dropin_fidelity.py trains a
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -141,3 +142,37 @@ def test_a_shipped_functions_traceback_shows_the_scripts_own_line():
         error = out[0].last_report.errors[0]
     assert "KeyError: 'missing'" in error
     assert "test_sandboxed.py" in error and 'boom = {}["missing"]  # the line' in error
+
+
+def test_the_users_own_project_installed_from_a_folder_goes_by_value(tmp_path, monkeypatch):
+    # an editable install of the user's project: a distribution whose direct_url.json points at a folder
+    (tmp_path / "myproject").mkdir()
+    (tmp_path / "myproject" / "__init__.py").write_text(
+        "def project_reward(completions, **kwargs):\n    return [2.0 for _ in completions]\n")
+    info = tmp_path / "myproject-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: myproject\nVersion: 0.1\n")
+    (info / "top_level.txt").write_text("myproject\n")
+    (info / "direct_url.json").write_text(json.dumps({"url": (tmp_path / "src").as_uri(), "dir_info": {"editable": True}}))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from myproject import project_reward
+
+    shipper = shipping.Shipper()
+    assert shipper._distribution("myproject") == "myproject"  # an installed distribution, yet:
+    shipment = shipper.ship(project_reward, "reward", "project_reward", [])
+    assert shipment.packages == [f"cloudpickle=={shipping.cloudpickle.__version__}"]  # no `myproject==0.1`
+    check = "import sys; sys.modules['myproject'] = None\n" + shipment.source + "\nprint(reward(completions=[1]))"
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=tmp_path / "myproject",
+                          timeout=60)
+    assert done.stdout.strip() == "[2.0]", done.stderr
+
+
+def test_async_rewards_are_shipped_and_awaited():
+    async def slow_len(completions, **kwargs):
+        import asyncio
+
+        await asyncio.sleep(0.01)
+        return [float(len(c)) for c in completions]
+
+    with sandboxed([slow_len], sandbox=LOCAL) as out:
+        assert _call(out[0], ["ab", "abcd"]) == [2.0, 4.0]
