@@ -88,6 +88,15 @@ def drop_sys_admin() -> None:
     _set_capabilities(lambda bits: bits & ~(1 << _CAP_SYS_ADMIN))
 
 
+def prewarm() -> None:
+    """Looks up the C functions and builds the ctypes types a slot process calls, once in the template: done after
+    the fork instead, each process would pay for it again (dlsym, type objects, and the pages they dirty)."""
+    for name in ("capget", "capset", "prctl", "unshare", "mount"):
+        getattr(_libc, name)
+    _CapHeader(_CAPABILITY_VERSION_3, 0)
+    (_CapData * 2)()
+
+
 def _write(path: str, text: str) -> None:
     fd = os.open(path, os.O_WRONLY)
     try:

@@ -64,6 +64,12 @@ _PR_SET_CHILD_SUBREAPER = 36
 _LIBC = ctypes.CDLL(None, use_errno=True)
 
 
+def prewarm() -> None:
+    """Looks up the C functions a slot process calls, once in its template (see private_tmp.prewarm)."""
+    for name in ("syscall", "prctl"):
+        getattr(_LIBC, name)
+
+
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
     """Asks the kernel to send ``sig`` (SIGKILL) to this process when its parent exits."""
     _LIBC.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)

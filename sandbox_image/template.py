@@ -105,6 +105,8 @@ class Template:
             import asyncio  # noqa: F401 - here, once, for every slot process (sync rewards never load it)
         if any(s.spec.uid is not None for s in self.slots):
             seccomp.prepare()
+            private_tmp.prewarm()
+            processes.prewarm()
         if all(s.spec.private_tmp for s in self.slots):  # every slot's home is /tmp: set once, not per process
             os.environ.update(dict.fromkeys(slots.HOME_VARIABLES, private_tmp.PATH))
         gc.freeze()  # the module's objects stay shared with every fork instead of being copied on first touch
