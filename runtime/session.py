@@ -78,11 +78,13 @@ class RewardSandboxes:
         try:
             if self.backend is None:
                 self.backend = create_backend(settings)
-            self.backend.prepare(self.config.rewards)
+            # Backends see each reward with its source as an absolute path (one that ships it elsewhere reads it).
+            rewards = [r.model_copy(update={"source": self.config.source_path(r)}) for r in self.config.rewards]
+            self.backend.prepare(rewards)
             # A backend may decide how many replicas a reward has (remote: the endpoints that serve it).
             count = getattr(self.backend, "replica_count", None)
-            for reward in self.config.rewards:
-                source = function_source(reward, self.config.source_path(reward))
+            for reward in rewards:
+                source = function_source(reward, reward.source)
                 self.replicas[reward.name] = [
                     Replica(self.backend.create(reward, i), [source], settings.start_timeout_s, self.transport)
                     for i in range(count(reward) if count else reward.replicas)

@@ -39,8 +39,8 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   log "installing torch==2.13.0"
   "$PY" -m pip install -q torch==2.13.0
 fi
-log "installing rewardbox[train,dev]"
-"$PY" -m pip install -q -e ".[train,dev]"
+log "installing rewardbox[train,dev,ray]"
+"$PY" -m pip install -q -e ".[train,dev,ray]"
 # The offline base image (Debian + python3 from Debian packages): no container registry is needed.
 log "base image: $(rewardbox base-image)"
 log "done"

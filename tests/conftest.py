@@ -35,6 +35,28 @@ def base_image(docker_client) -> str:
     return OFFLINE_BASE
 
 
+# A real multi-node Ray cluster on this machine: a head that runs nothing (num_cpus=0: every actor goes to a
+# worker node) and three worker nodes, each its own raylet and object store. Missing Ray FAILS (never skips).
+RAY_WORKERS = 3
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    try:
+        import ray
+        from ray.cluster_utils import Cluster
+    except ImportError as e:
+        pytest.fail(f"these tests need Ray; run `bash scripts/setup.sh` (it installs rewardbox[ray]). {e}")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for _ in range(RAY_WORKERS):
+        cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace="rewardbox", log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
 @pytest.fixture
 def write_config(tmp_path: Path) -> Callable[..., Path]:
     """write_config(rewards=[{name, code, ...spec}], sandbox={...}) -> path of a YAML config in tmp_path.

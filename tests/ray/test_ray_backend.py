@@ -1,0 +1,71 @@
+"""The ray backend on a real multi-node Ray cluster on this machine (tests/conftest.py: a head and three worker
+nodes): placement across nodes, and a node lost in the middle of scoring. The conformance suite
+(tests/backends/test_conformance.py) checks the rest of the backend contract for ray as for every backend."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from rewardbox import build_samples
+from rewardbox.backends.containers import LABEL
+from tests.conftest import run, started_sandboxes
+
+SLOW = """
+import time
+
+def slow(prompt, completion, example):
+    time.sleep(0.05)
+    return float(len(completion)) + 0.5
+"""
+
+
+@pytest.fixture
+def start_on_ray(ray_cluster, base_image, write_config):
+    yield from started_sandboxes(write_config, {"backend": "ray", "ray": {"docker": {"base_image": base_image}}})
+
+
+def _nodes(sandboxes, name):
+    return [r.sandbox.node_id for r in sandboxes.replicas[name]]
+
+
+def test_replicas_of_a_reward_go_to_different_nodes(start_on_ray):
+    s = start_on_ray([{"name": "slow", "code": SLOW, "replicas": 3, "workers": 1, "cpus": 1}])
+    assert len(set(_nodes(s, "slow"))) == 3
+    completions = ["a" * i for i in range(12)]
+    report = run(s["slow"].client.score(build_samples(["p"] * 12, completions, {})))
+    assert report.statuses == ["ok"] * 12 and report.values == [i + 0.5 for i in range(12)]
+
+
+def test_a_node_lost_in_the_middle_of_scoring_loses_no_sample(start_on_ray, ray_cluster, docker_client):
+    s = start_on_ray([{"name": "slow", "code": SLOW, "replicas": 2, "workers": 2, "cpus": 1, "timeout_s": 10}])
+    doomed = s.replicas["slow"][0].sandbox
+    doomed_node, doomed_pid = doomed.node_id, doomed.pid
+    node = next(n for n in ray_cluster.worker_nodes if n.node_id == doomed_node)
+    n = 160  # about 2 s of work for the two replicas together
+    completions = ["b" * (i % 13) for i in range(n)]
+    result = {}
+    scoring = threading.Thread(target=lambda: result.update(
+        report=run(s["slow"].client.score(build_samples(["p"] * n, completions, {})))))
+    scoring.start()
+    time.sleep(0.6)
+    assert scoring.is_alive(), "the batch ended before the node could be lost: make it longer"
+    ray_cluster.remove_node(node, allow_graceful=False)  # its raylet and every process of it, killed
+    try:
+        scoring.join(timeout=300)
+        report = result["report"]
+        assert report.statuses == ["ok"] * n, [e for e in report.errors if e][:3]
+        assert report.values == [(i % 13) + 0.5 for i in range(n)]  # each sample once, with its exact value
+        replica = s.replicas["slow"][0]
+        assert replica.restarts == 1 and replica.sandbox.node_id != doomed_node
+        assert replica.sandbox.node_id in {w.node_id for w in ray_cluster.worker_nodes}
+        # the dead actor's container is gone (the replacement removed what a dead owner left on its machine)
+        deadline = time.monotonic() + 30
+        while docker_client.containers.list(all=True, filters={"label": f"{LABEL}.pid={doomed_pid}"}):
+            assert time.monotonic() < deadline, "the lost node's container was left behind"
+            time.sleep(0.5)
+    finally:
+        ray_cluster.add_node(num_cpus=2)  # the session's cluster keeps its three worker nodes
+        ray_cluster.wait_for_nodes()
