@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything a fresh Debian/Ubuntu machine needs for rewardbox: the Docker engine (started if not running),
 # debootstrap for the offline base image, Chromium for the report's browser tests, and the Python package with its
-# train and dev extras.
+# train, dev and ray extras, and verl in .venv-verl for the verl integration's test.
 # Idempotent: each step is skipped when already done. Fails loudly when a step cannot be done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,6 +41,15 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 fi
 log "installing rewardbox[train,dev,ray]"
 "$PY" -m pip install -q -e ".[train,dev,ray]"
+# verl, for the verl integration's test: in a venv of its own over this environment (its pins would replace this
+# environment's transformers), without its GPU stack; only what importing verl's reward path needs is added.
+if ! .venv-verl/bin/python -c "import verl.trainer.ppo.reward" >/dev/null 2>&1; then
+  log "installing verl into .venv-verl (over this environment, no GPU stack)"
+  "$PY" -m venv --system-site-packages .venv-verl
+  .venv-verl/bin/python -m pip install -q --no-deps verl==0.9.1 tensordict==0.15.3 hydra-core==1.3.8 \
+    omegaconf==2.4.0 antlr4-python3-runtime==4.9.3 codetiming pylatexenc pyvers orjson importlib_metadata
+  .venv-verl/bin/python -m pip install -q aiohttp
+fi
 # The offline base image (Debian + python3 from Debian packages): no container registry is needed.
 log "base image: $(rewardbox base-image)"
 log "done"

@@ -57,6 +57,14 @@ def ray_cluster():
     cluster.shutdown()
 
 
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A tiny local causal LM and tokenizer (random weights): no model hub is needed."""
+    from rewardbox.trainer.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), warm_up=False)
+
+
 @pytest.fixture
 def write_config(tmp_path: Path) -> Callable[..., Path]:
     """write_config(rewards=[{name, code, ...spec}], sandbox={...}) -> path of a YAML config in tmp_path.

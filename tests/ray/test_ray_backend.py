@@ -69,3 +69,23 @@ def test_a_node_lost_in_the_middle_of_scoring_loses_no_sample(start_on_ray, ray_
     finally:
         ray_cluster.add_node(num_cpus=2)  # the session's cluster keeps its three worker nodes
         ray_cluster.wait_for_nodes()
+
+
+def test_the_quickstarts_rewards_score_on_the_cluster_as_in_process(ray_cluster, base_image):
+    from rewardbox import RewardSandboxes, in_process_rewards, load_config
+    from tests.conftest import ROOT
+
+    config = load_config(ROOT / "examples" / "quickstart" / "config.yaml")
+    config.sandbox = type(config.sandbox).model_validate(
+        {"backend": "ray", "ray": {"docker": {"base_image": base_image}}})
+    completions = ["<think>8 + 7</think> <answer>15</answer>", "<answer>14</answer>", "15", "<think>x</think>",
+                   "<think>5 - 2 is 3</think>\n<answer>3</answer>", "<answer>3.0</answer>"]
+    prompts = ["Tom has 8 apples and buys 7 more. How many apples does Tom have?"] * 3 + \
+              ["Sara has 5 pens and gives away 2. How many pens does she have left?"] * 3
+    columns = {"answer": [15, 15, 15, 3, 3, 3], "operands": [[8, 7]] * 3 + [[5, 2]] * 3}
+    plain = [f(prompts=prompts, completions=completions, **columns) for f in in_process_rewards(config)]
+    with RewardSandboxes(config) as sandboxes:
+        nodes = {r.sandbox.node_id for rs in sandboxes.replicas.values() for r in rs}
+        boxed = [run(f(prompts=prompts, completions=completions, **columns)) for f in sandboxes.rewards]
+    assert boxed == plain and any(v for values in plain for v in values)
+    assert len(nodes) >= 2  # the three rewards' replicas spread over the worker nodes
