@@ -15,7 +15,9 @@
     (``subprocess.run`` per test) in-process on a pool of 2 threads, and versus one ``docker run`` per sample, 2 at
     a time; beside open-r1's published E2B figure;
 (h) ``isolation: sample`` at real batch sizes (1,024 and 4,096 completions): see :mod:`.bench_isolation`;
-(r) the run record's cost and size, and the report's views on 100,000 completions: see :mod:`.bench_report`.
+(r) the run record's cost and size, and the report's views on 100,000 completions: see :mod:`.bench_report`;
+(y) the trivial reward of (a) (``isolation: worker``) through the ray backend on a Ray cluster of this machine
+    beside the local path of (a): see :mod:`.bench_ray`.
 Targets are printed beside the figures, never asserted.
 """
 
@@ -103,7 +105,7 @@ def _batch_times(reward, samples: list, iterations: int, pace_s: float) -> list[
     return asyncio.run(batches())
 
 
-PARTS = "abcdefghr"
+PARTS = "abcdefghry"
 WORKER = "isolation: worker"
 
 
@@ -144,7 +146,7 @@ def run_bench(base_image: str, iterations: int = 200, progress: Callable[[str], 
             ("sample", PACE_S, 5.0, f"isolation: sample, a batch every {PACE_S * 1000:.0f} ms (as in training)"),
             ("sample", 0.0, None, "isolation: sample, back to back"),
         ):
-            if "a" not in parts and not ("f" in parts and label == WORKER):
+            if "a" not in parts and not (("f" in parts or "y" in parts) and label == WORKER):
                 continue
             progress(f"(a) overhead, {label}, {iterations} batches of 64")
             times = sandboxed[label] = _overhead(client, directory, base_image, isolation, samples, iterations,
@@ -179,6 +181,11 @@ def run_bench(base_image: str, iterations: int = 200, progress: Callable[[str], 
 
             figures.extend(isolation_figures(client, directory / "h", base_image, _config, _backend, progress,
                                              Figure, REWARDS))
+        if "y" in parts:
+            from .bench_ray import ray_figures
+
+            figures.extend(ray_figures(directory, base_image, samples, iterations, base, sandboxed[WORKER],
+                                       _batch_times, progress, Figure))
         if "r" in parts:
             from .bench_report import report_figures
 
