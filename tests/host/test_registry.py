@@ -75,7 +75,7 @@ def test_a_bad_value_in_a_backend_section_is_named_with_its_line(write_config, t
 def test_an_unknown_backend_is_named_with_the_registered_ones(write_config):
     path = write_config([{"name": "ok", "code": OK}], {"backend": "dockr"})
     with pytest.raises(ConfigError, match=r"rewardbox\.yaml:2: sandbox\.backend: .*no backend named 'dockr'; did "
-                                          r"you mean 'docker'\? \(registered: auto, attached, docker, local, remote"):
+                                          r"you mean 'docker'\? \(registered: auto, attached, docker, local, ray, remote"):
         load_config(path)
 
 
