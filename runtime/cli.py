@@ -354,12 +354,21 @@ def serve(
     token_env: str = typer.Option("REWARDBOX_TOKEN", help="environment variable holding the token clients must "
                                   "send; checked whenever it is set"),
     backend: Optional[str] = typer.Option(None, help="override sandbox.backend of CONFIG (where the sandboxes run)"),
+    max_message_mb: int = typer.Option(64, min=1, max=2047, help="the largest request (MiB): what your largest batch "
+                                       "needs; larger ones are refused with RESOURCE_EXHAUSTED"),
+    max_concurrent_rpcs: int = typer.Option(256, min=1, help="RPCs running at once, all clients together; more are "
+                                            "refused at once"),
+    max_streams_per_connection: int = typer.Option(32, min=1, help="concurrent HTTP/2 streams per connection"),
+    stream_window_kb: int = typer.Option(1024, min=64, help="HTTP/2 window per stream (KiB): what a request may send "
+                                         "before it is authenticated; raise it for large batches over long links"),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Serve CONFIG's rewards to many trainers and ranks on one authenticated endpoint (`backend: remote`)."""
     _setup_logging(verbose)
-    from .service import ServiceSecurity
+    from .service import ServiceLimits, ServiceSecurity, limit_malloc_arenas
     from .service import serve as run_service
+
+    limit_malloc_arenas()  # before gRPC starts its threads
 
     def ready(sandboxes, port: int) -> None:
         host = listen.rsplit(":", 1)[0]
@@ -372,7 +381,9 @@ def serve(
         cfg = load_config(config)
         if backend:
             cfg.sandbox.backend = backend
-        asyncio.run(run_service(cfg, listen, security, on_ready=ready))
+        limits = ServiceLimits(max_message_mb * 1024 * 1024, max_concurrent_rpcs, max_streams_per_connection,
+                               stream_window_kb * 1024)
+        asyncio.run(run_service(cfg, listen, security, on_ready=ready, limits=limits))
     except RewardboxError as e:
         raise fail(str(e)) from None
     except OSError as e:

@@ -243,6 +243,9 @@ class RewardClient:
             try:
                 reply = await replica.score(request, timeout_s=deadline)
             except TransportError as e:
+                if replica.shared and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and _too_large(e):
+                    await self._too_large(replica, todo, share, trainer_state, e)
+                    return
                 if replica.shared and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     deferred, unscored = todo, 0
                 elif e.code in TRANSIENT_CODES or e.code == grpc.StatusCode.FAILED_PRECONDITION:
@@ -269,6 +272,20 @@ class RewardClient:
                 waited += pause
                 delay = min(2 * delay, self.settings.backoff_max_s)
             todo = deferred
+
+    async def _too_large(self, replica: Replica, todo: list, share: _Share,
+                         trainer_state: Optional[pb.TrainerState], error: TransportError) -> None:
+        """A request larger than the service accepts (``rewardbox serve --max-message-mb``) is sent again in halves
+        (a batch-style call cannot be split); a single sample that is still too large gets the error, naming it."""
+        if len(todo) > 1 and self.reward.style != "batch":
+            half = len(todo) // 2
+            await self._request(replica, todo[:half], share, trainer_state)
+            await self._request(replica, todo[half:], share, trainer_state)
+            return
+        message = (f"{replica.name} refused the request as too large ({error.details}): raise `rewardbox serve "
+                   "--max-message-mb` there")
+        for i, _ in todo:
+            share.outcomes[i] = Outcome.failed(Status.ERROR, message)
 
     def max_wait_s(self, replica: Replica) -> float:
         return float(getattr(replica.sandbox, "max_wait_s", 0.0))
@@ -307,3 +324,8 @@ class RewardClient:
             await asyncio.to_thread(replica.recover, generation, reload)
         except Exception as e:  # noqa: BLE001 - a failed recovery is one more transient failure to retry
             log.warning("reward %s: recovering sandbox %s failed: %s", self.reward.name, replica.name, e)
+
+
+def _too_large(error: TransportError) -> bool:
+    """gRPC's refusal of a message over the receiver's limit (RESOURCE_EXHAUSTED, as a full budget is)."""
+    return "larger than max" in (error.details or "")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import hmac
 import ipaddress
 import logging
@@ -47,13 +48,34 @@ from grpc_reflection.v1alpha import reflection
 from .errors import ConfigError, RewardLoadError
 from .session import RewardSandboxes
 from .spec import RewardboxConfig, RewardSpec
-from .wire import GRPC_OPTIONS, SERVICE_NAME, VERSION, Status
+from .wire import MAX_MESSAGE_BYTES, SERVICE_NAME, VERSION, Status
 from .wire.pb import reward_pb2 as pb
 from .wire.pb import reward_pb2_grpc as pb_grpc
 
 log = logging.getLogger("rewardbox")
 
 TOKEN_ENV = "REWARDBOX_TOKEN"
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    """What one service accepts, from every client together (``rewardbox serve`` options)."""
+
+    # The largest request: what a batch can need (1,024 completions of 16 KiB each with their prompts and columns
+    # fit easily); a larger one is refused with RESOURCE_EXHAUSTED, naming the option.
+    max_message_bytes: int = 64 * 1024 * 1024
+    max_concurrent_rpcs: int = 256  # RPCs running at once, all connections together; more are refused at once
+    max_streams_per_connection: int = 32  # HTTP/2 streams one connection may have open; more wait in the client
+    # HTTP/2 flow control: what a stream may send before the service asks for its message, so at most what an
+    # unauthenticated stream puts into the service's memory before it is refused. Fixed: gRPC's bandwidth probing,
+    # which grows windows as data arrives, is off (with it, refused 200 MB requests left tens of MiB each).
+    stream_window_bytes: int = 1024 * 1024
+
+    def grpc_options(self) -> list:
+        return [("grpc.max_receive_message_length", self.max_message_bytes),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_concurrent_streams", self.max_streams_per_connection),
+                ("grpc.http2.lookahead_bytes", self.stream_window_bytes), ("grpc.http2.bdp_probe", 0)]
 DRAIN_GRACE_S = 60.0
 _OK = Status.OK
 
@@ -114,63 +136,89 @@ def _read(path: Path, option: str) -> bytes:
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every RPC, of any service, whose ``authorization`` metadata is not ``Bearer <token>``."""
+    """Refuses every RPC whose ``authorization`` metadata is not ``Bearer <token>``, whatever its method (an unknown
+    one included: methods cannot be enumerated) and before anything of its body is read.
+
+    The token is in the call's headers, which arrive before its body; the refusal is a request-streaming handler
+    that never asks for a message and has no deserializer. gRPC reads a message only when a handler asks for one
+    (a unary handler's request is read before it runs, so refusing with one would first receive the whole body,
+    up to the message limit, and parse it). The body's first bytes sit at most in the HTTP/2 flow-control window
+    of the stream (:attr:`ServiceLimits.stream_window_bytes`) until the refusal resets it."""
 
     def __init__(self, token: str):
         self._expected = f"Bearer {token}".encode()
 
     async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
         presented = next((v for k, v in handler_call_details.invocation_metadata or () if k == "authorization"), "")
         presented = presented.encode() if isinstance(presented, str) else presented
-        if hmac.compare_digest(presented, self._expected) or handler is None:
-            return handler
-        return _refusing(handler, "missing or wrong token: send the service's token (sandbox.remote.token_env)")
+        if hmac.compare_digest(presented, self._expected):
+            return await continuation(handler_call_details)
+        return _REFUSING
 
 
-def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as ``handler`` that aborts with UNAUTHENTICATED."""
-    async def unary(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+async def _refuse(request_iterator, context):
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                        "missing or wrong token: send the service's token (sandbox.remote.token_env)")
+    yield  # pragma: no cover - abort raises
 
-    async def streaming(request_iterator, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # pragma: no cover - abort raises
 
-    kwargs = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(streaming, **kwargs)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(unary, **kwargs)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(streaming, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
+# Request-streaming (no message is read), response-streaming (fits a caller of any shape: only the status is sent),
+# bytes in and out (nothing is parsed).
+_REFUSING = grpc.stream_stream_rpc_method_handler(_refuse)
 
 
 class Budget:
-    """Samples of one reward running at once, across every client (``max_in_flight``; None: no bound). Used from
-    the service's event loop only."""
+    """Samples of one reward running at once, across every client (``max_in_flight``; None: no bound), shared fairly.
+
+    A client is one connection (its peer address). While several clients want samples run, each may hold at most
+    its share: the limit divided among them, rounded up. A client alone may use all of it. A client wants while it
+    has samples running, or for :data:`WANT_S` after it was turned away (it is about to send them again). So a
+    client that keeps the budget full cannot starve another: as its samples finish, it may not take back more than
+    its share, and the freed room goes to the one waiting. Used from the service's event loop only."""
+
+    WANT_S = 5.0
 
     def __init__(self, limit: Optional[int]):
         self.limit = limit
         self.in_flight = 0
         self.peak = 0
+        self.held: dict[str, int] = {}  # client -> samples running
+        self.turned_away: dict[str, float] = {}  # client -> when it was last refused room
 
-    def take(self, n: int, whole: bool) -> int:
-        """Admits up to ``n`` samples now; returns how many. ``whole``: all of them or none, except that a call
-        larger than the budget may run alone (it could never run otherwise)."""
+    def share(self, client: str, now: float) -> int:
+        """How many samples ``client`` may hold now."""
+        for other, when in list(self.turned_away.items()):
+            if now - when >= self.WANT_S:
+                del self.turned_away[other]
+        wanting = {c for c, k in self.held.items() if k} | set(self.turned_away) | {client}
+        return -(-self.limit // len(wanting))
+
+    def take(self, n: int, whole: bool, client: str = "", now: Optional[float] = None) -> int:
+        """Admits up to ``n`` samples of ``client`` now; returns how many. ``whole``: all of them or none, except
+        that a call larger than the room may run alone (it could never run otherwise)."""
         if self.limit is None:
             k = n
-        elif whole:
-            k = n if self.in_flight + n <= self.limit or self.in_flight == 0 else 0
         else:
-            k = max(0, min(n, self.limit - self.in_flight))
+            now = time.monotonic() if now is None else now
+            room = max(0, min(self.limit - self.in_flight, self.share(client, now) - self.held.get(client, 0)))
+            if whole:
+                k = n if n <= room or self.in_flight == 0 else 0
+            else:
+                k = min(n, room)
+            if k < n:
+                self.turned_away[client] = now
         self.in_flight += k
+        self.held[client] = self.held.get(client, 0) + k
         self.peak = max(self.peak, self.in_flight)
         return k
 
-    def give(self, k: int) -> None:
+    def give(self, k: int, client: str = "") -> None:
         self.in_flight -= k
+        left = self.held.get(client, 0) - k
+        if left > 0:
+            self.held[client] = left
+        else:
+            self.held.pop(client, None)
 
 
 class RewardService(pb_grpc.RewardSandboxServicer):
@@ -200,7 +248,8 @@ class RewardService(pb_grpc.RewardSandboxServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the service is draining (shutting down)")
         reward, budget = self.sandboxes[name], self.budgets[name]
         n = len(request.samples)
-        admitted = budget.take(n, whole=reward.style == "batch")
+        peer = context.peer() or ""
+        admitted = budget.take(n, whole=reward.style == "batch", client=peer)
         if n and not admitted:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"reward {name!r}: max_in_flight={budget.limit} samples are running; send again later")
@@ -211,7 +260,7 @@ class RewardService(pb_grpc.RewardSandboxServicer):
             report = await reward.client.score(list(request.samples[:admitted]), state,
                                                details=request.sample_details)
         finally:
-            budget.give(admitted)
+            budget.give(admitted, client=peer)
             self.active -= 1
             if not self.active:
                 self._idle.set()
@@ -272,9 +321,23 @@ class RewardService(pb_grpc.RewardSandboxServicer):
             await asyncio.wait_for(self._idle.wait(), grace_s)
 
 
+_M_ARENA_MAX = -8  # mallopt(3)
+
+
+def limit_malloc_arenas(count: int = 2) -> None:
+    """Caps glibc's malloc arenas (by default 8 per core, one per thread that allocates): gRPC's threads receive
+    refused requests' first bytes into buffers of their own arenas, which then stay fragmented and grow the service
+    a little with every attack (tens of MiB over a few rounds, measured). No-op without glibc."""
+    try:
+        ctypes.CDLL(None).mallopt(_M_ARENA_MAX, count)
+    except (OSError, AttributeError):
+        pass
+
+
 async def serve(config: RewardboxConfig, listen: str, security: ServiceSecurity,
                 on_ready: Optional[Callable[[RewardSandboxes, int], None]] = None,
-                stop: Optional[asyncio.Event] = None, drain_grace_s: float = DRAIN_GRACE_S) -> None:
+                stop: Optional[asyncio.Event] = None, drain_grace_s: float = DRAIN_GRACE_S,
+                limits: ServiceLimits = ServiceLimits()) -> None:
     """Starts the config's sandboxes, serves them on ``listen`` until SIGTERM/SIGINT (or ``stop``), then drains
     and stops everything.
 
@@ -288,7 +351,8 @@ async def serve(config: RewardboxConfig, listen: str, security: ServiceSecurity,
     await asyncio.to_thread(sandboxes.start)
     try:
         interceptors = [TokenInterceptor(security.token)] if security.token else []
-        server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
+        server = grpc.aio.server(options=limits.grpc_options(), interceptors=interceptors,
+                                 maximum_concurrent_rpcs=limits.max_concurrent_rpcs)
         health = HealthServicer()
         service = RewardService(sandboxes, health)
         pb_grpc.add_RewardSandboxServicer_to_server(service, server)

@@ -55,10 +55,13 @@ class Endpoint:
 
     def channel_options(self) -> tuple:
         """gRPC channel options: ours, plus for a TCP target round-robin over every address its name resolves
-        to (a service behind one DNS name with several addresses), and the name TLS expects, if overridden."""
+        to (a service behind one DNS name with several addresses) on connections of this channel's own (gRPC would
+        otherwise share one between the channels of a process to the same service, which then sees them as one
+        client: its fair shares of ``max_in_flight`` are per connection), and the name TLS expects, if
+        overridden."""
         options = CHANNEL_OPTIONS
         if not self.target.startswith("unix:"):
-            options += (("grpc.lb_policy_name", "round_robin"),)
+            options += (("grpc.lb_policy_name", "round_robin"), ("grpc.use_local_subchannel_pool", 1))
         if self.server_name:
             options += (("grpc.ssl_target_name_override", self.server_name),)
         return options

@@ -113,12 +113,13 @@ def launch_service(command: list, env: dict, timeout_s: float = 60) -> Service:
 
 @pytest.fixture
 def serve(tmp_path):
-    """serve(rewards, tls=None|Certificates, token=None, name="a", sandbox=None) -> a running Service (its sandboxes
-    on the local backend unless ``sandbox`` says otherwise); all stopped afterwards."""
+    """serve(rewards, tls=None|Certificates, token=None, name="a", sandbox=None, extra=()) -> a running Service (its
+    sandboxes on the local backend unless ``sandbox`` says otherwise; ``extra``: more options); all stopped
+    afterwards."""
     services = []
 
     def start(rewards: list[dict], tls: Optional[Certificates] = None, token: Optional[str] = None,
-              name: str = "a", sandbox: Optional[dict] = None) -> Service:
+              name: str = "a", sandbox: Optional[dict] = None, extra: tuple = ()) -> Service:
         folder = tmp_path / f"service-{name}"
         entries = write_rewards(folder, rewards)
         sandbox = sandbox or {"backend": "local"}
@@ -127,6 +128,7 @@ def serve(tmp_path):
                    "--listen", "127.0.0.1:0", "--token-env", TOKEN_ENV]
         if tls is not None:
             command += ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key)]
+        command += list(extra)
         env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
         if token is not None:
             env[TOKEN_ENV] = token
