@@ -39,6 +39,7 @@ import fcntl
 import logging
 import os
 import secrets
+import socket
 import tempfile
 import threading
 from pathlib import Path
@@ -116,6 +117,24 @@ def run_certificates() -> tuple[bytes, bytes, bytes]:
             key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
 
 
+def _check_reachable(address: str) -> None:
+    """An explicit address that nothing answers at fails at once (Ray itself would retry it for minutes).
+
+    Raises:
+        BackendError: naming the address and how to start a cluster.
+    """
+    if address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
+            return
+    except (OSError, ValueError) as e:
+        raise BackendError(
+            f"sandbox.ray.address is {address!r}, and nothing answers there ({e}). Start the cluster's head there "
+            "(`ray start --head`, which listens on 6379; Ray Client on 10001), or fix the address.") from None
+
+
 class RewardServer:
     """The actor: one replica of one reward, served on this node like ``rewardbox serve`` serves it."""
 
@@ -143,7 +162,9 @@ class RewardServer:
         self.thread.start()
 
     def _run(self) -> None:
-        from ..service import ServiceSecurity, serve
+        from ..service import ServiceSecurity, limit_malloc_arenas, serve
+
+        limit_malloc_arenas()  # as `rewardbox serve` does: its limits under hostile peers hold here too
 
         async def main() -> None:
             self.loop, self.stopping = asyncio.get_running_loop(), asyncio.Event()
@@ -305,6 +326,7 @@ class RayBackend:
                                "(on every node of the cluster too)") from None
         self._owns_connection = not ray.is_initialized()
         if self._owns_connection:
+            _check_reachable(self.settings.address)
             try:
                 ray.init(address=self.settings.address, namespace=NAMESPACE, log_to_driver=False,
                          logging_level=logging.WARNING)

@@ -89,3 +89,15 @@ def test_the_quickstarts_rewards_score_on_the_cluster_as_in_process(ray_cluster,
         boxed = [run(f(prompts=prompts, completions=completions, **columns)) for f in sandboxes.rewards]
     assert boxed == plain and any(v for values in plain for v in values)
     assert len(nodes) >= 2  # the three rewards' replicas spread over the worker nodes
+
+
+def test_no_cluster_at_the_address_is_an_error_saying_how_to_start_one():
+    import subprocess
+    import sys
+
+    check = ("from rewardbox.backends.ray_cluster import RayBackend, RaySettings\n"
+             "try:\n    RayBackend(RaySettings(address='127.0.0.1:1'))\n"
+             "except Exception as e:\n    print(type(e).__name__, e)\n")
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert done.stdout.startswith("BackendError sandbox.ray.address is '127.0.0.1:1', and nothing answers there")
+    assert "ray start --head" in done.stdout
