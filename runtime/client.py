@@ -243,7 +243,7 @@ class RewardClient:
             try:
                 reply = await replica.score(request, timeout_s=deadline)
             except TransportError as e:
-                if replica.shared and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and _too_large(e):
+                if replica.shared and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and _over_message_limit(e):
                     await self._too_large(replica, todo, share, trainer_state, e)
                     return
                 if replica.shared and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -326,6 +326,6 @@ class RewardClient:
             log.warning("reward %s: recovering sandbox %s failed: %s", self.reward.name, replica.name, e)
 
 
-def _too_large(error: TransportError) -> bool:
+def _over_message_limit(error: TransportError) -> bool:
     """gRPC's refusal of a message over the receiver's limit (RESOURCE_EXHAUSTED, as a full budget is)."""
     return "larger than max" in (error.details or "")
