@@ -358,17 +358,19 @@ def serve(
                                        "needs; larger ones are refused with RESOURCE_EXHAUSTED"),
     max_concurrent_rpcs: int = typer.Option(256, min=1, help="RPCs running at once, all clients together; more are "
                                             "refused at once"),
-    max_streams_per_connection: int = typer.Option(32, min=1, help="concurrent HTTP/2 streams per connection"),
-    stream_window_kb: int = typer.Option(1024, min=64, help="HTTP/2 window per stream (KiB): what a request may send "
+    max_streams_per_connection: int = typer.Option(16, min=1, help="concurrent HTTP/2 streams per connection"),
+    max_connections: int = typer.Option(512, min=1, help="connections at once, authenticated or not"),
+    stream_window_kb: int = typer.Option(64, min=16, help="HTTP/2 window per stream (KiB): what a request may send "
                                          "before it is authenticated; raise it for large batches over long links"),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Serve CONFIG's rewards to many trainers and ranks on one authenticated endpoint (`backend: remote`)."""
     _setup_logging(verbose)
-    from .service import ServiceLimits, ServiceSecurity, limit_malloc_arenas
+    from .service import ServiceLimits, ServiceSecurity, limit_malloc_arenas, raise_open_files
     from .service import serve as run_service
 
     limit_malloc_arenas()  # before gRPC starts its threads
+    raise_open_files()  # idle connections must not exhaust descriptors before max_connections refuses them
 
     def ready(sandboxes, port: int) -> None:
         host = listen.rsplit(":", 1)[0]
@@ -382,7 +384,7 @@ def serve(
         if backend:
             cfg.sandbox.backend = backend
         limits = ServiceLimits(max_message_mb * 1024 * 1024, max_concurrent_rpcs, max_streams_per_connection,
-                               stream_window_kb * 1024)
+                               max_connections, stream_window_kb * 1024)
         asyncio.run(run_service(cfg, listen, security, on_ready=ready, limits=limits))
     except RewardboxError as e:
         raise fail(str(e)) from None

@@ -32,9 +32,10 @@ log = logging.getLogger("rewardbox")
 _OK, _INVALID = Status.OK, Status.INVALID  # enum attribute lookups cost more than the rest of a sample's check
 _OK_WIRE, _UNAVAILABLE_WIRE = Status.OK.wire, Status.UNAVAILABLE.wire
 SPLIT = 4  # parts a retry of a sample-style share is sent in
-TRANSIENT_CODES = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
-)
+# CANCELLED reaches the client only when the server ended the call (an overloaded service sheds it): our own
+# cancellations end the coroutine instead.
+TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                             grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED})
 
 
 class TransientSandboxError(Exception):

@@ -33,6 +33,7 @@ import ipaddress
 import logging
 import os
 import platform
+import resource
 import signal
 import sys
 import time
@@ -65,17 +66,28 @@ class ServiceLimits:
     # fit easily); a larger one is refused with RESOURCE_EXHAUSTED, naming the option.
     max_message_bytes: int = 64 * 1024 * 1024
     max_concurrent_rpcs: int = 256  # RPCs running at once, all connections together; more are refused at once
-    max_streams_per_connection: int = 32  # HTTP/2 streams one connection may have open; more wait in the client
+    max_streams_per_connection: int = 16  # HTTP/2 streams one connection may have open; more wait in the client
+    max_connections: int = 512  # connections at once, authenticated or not: more are refused
     # HTTP/2 flow control: what a stream may send before the service asks for its message, so at most what an
     # unauthenticated stream puts into the service's memory before it is refused. Fixed: gRPC's bandwidth probing,
     # which grows windows as data arrives, is off (with it, refused 200 MB requests left tens of MiB each).
-    stream_window_bytes: int = 1024 * 1024
+    stream_window_bytes: int = 64 * 1024
+    idle_s: float = 60.0  # a connection with no call for this long is closed (clients reconnect when they need to)
+    handshake_s: float = 10.0  # a connection must finish its TLS and HTTP/2 handshakes within this
 
     def grpc_options(self) -> list:
         return [("grpc.max_receive_message_length", self.max_message_bytes),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_concurrent_streams", self.max_streams_per_connection),
-                ("grpc.http2.lookahead_bytes", self.stream_window_bytes), ("grpc.http2.bdp_probe", 0)]
+                ("grpc.max_allowed_incoming_connections", self.max_connections),
+                ("grpc.http2.lookahead_bytes", self.stream_window_bytes), ("grpc.http2.bdp_probe", 0),
+                ("grpc.max_connection_idle_ms", int(self.idle_s * 1000)),
+                ("grpc.server_handshake_timeout_ms", int(self.handshake_s * 1000))]
+
+    def memory_bound_bytes(self) -> int:
+        """What unauthenticated peers can make the service hold at most: every connection with every stream's
+        window full, plus about 64 KiB of buffers per connection (measured: 43 KiB)."""
+        return self.max_connections * (self.max_streams_per_connection * self.stream_window_bytes + 64 * 1024)
 DRAIN_GRACE_S = 60.0
 _OK = Status.OK
 
@@ -167,10 +179,23 @@ async def _refuse(request_iterator, context):
 _REFUSING = grpc.stream_stream_rpc_method_handler(_refuse)
 
 
+CLIENT_HEADER = "x-rewardbox-client"  # the client a call comes from, as it says (one per trainer's connection)
+
+
+def client_of(context) -> str:
+    """Who a call counts as for fair shares: its address without the port (so that opening more connections gets a
+    peer no more shares) and the client it says it is (so that trainers behind one address get one each)."""
+    peer = context.peer() or ""
+    address = peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
+    said = next((v for k, v in context.invocation_metadata() or () if k == CLIENT_HEADER), "")
+    return f"{address}/{str(said)[:64]}"
+
+
 class Budget:
     """Samples of one reward running at once, across every client (``max_in_flight``; None: no bound), shared fairly.
 
-    A client is one connection (its peer address). While several clients want samples run, each may hold at most
+    A client is an address and the client the calls say they come from (:func:`client_of`). While several
+    clients want samples run, each may hold at most
     its share: the limit divided among them, rounded up. A client alone may use all of it. A client wants while it
     has samples running, or for :data:`WANT_S` after it was turned away (it is about to send them again). So a
     client that keeps the budget full cannot starve another: as its samples finish, it may not take back more than
@@ -248,7 +273,7 @@ class RewardService(pb_grpc.RewardSandboxServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the service is draining (shutting down)")
         reward, budget = self.sandboxes[name], self.budgets[name]
         n = len(request.samples)
-        peer = context.peer() or ""
+        peer = client_of(context)
         admitted = budget.take(n, whole=reward.style == "batch", client=peer)
         if n and not admitted:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -332,6 +357,15 @@ def limit_malloc_arenas(count: int = 2) -> None:
         ctypes.CDLL(None).mallopt(_M_ARENA_MAX, count)
     except (OSError, AttributeError):
         pass
+
+
+def raise_open_files() -> None:
+    """Raises this process's descriptor limit to its hard limit (often 1,024 soft): with the soft default, about
+    a thousand idle connections locked new clients out before any limit of ours applied (measured)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
 
 
 async def serve(config: RewardboxConfig, listen: str, security: ServiceSecurity,

@@ -13,6 +13,9 @@ status code; nothing above this module sees ``grpc.RpcError``.
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+import uuid
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
@@ -120,6 +123,8 @@ class GrpcConnection:
         self._options = endpoint.channel_options()
         self._control: Optional[grpc.Channel] = None
         self._aio: dict[asyncio.AbstractEventLoop, tuple[grpc.aio.Channel, pb_grpc.RewardSandboxStub]] = {}
+        # Who its calls come from, for a shared service's fair shares of max_in_flight (rewardbox.service.client_of)
+        self._client = (("x-rewardbox-client", f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"),)
 
     def _channel(self) -> grpc.Channel:
         if self._control is None:
@@ -167,7 +172,8 @@ class GrpcConnection:
     async def score(self, request: pb.ScoreRequest, timeout_s: float,
                     wait_for_ready: bool = False) -> pb.ScoreResponse:
         try:
-            return await self._stub().Score(request, timeout=timeout_s, wait_for_ready=wait_for_ready)
+            return await self._stub().Score(request, timeout=timeout_s, wait_for_ready=wait_for_ready,
+                                            metadata=self._client)
         except grpc.aio.AioRpcError as e:
             raise TransportError(e.code(), e.details() or "") from None
 

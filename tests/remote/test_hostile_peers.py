@@ -179,3 +179,33 @@ def test_rpcs_beyond_the_services_cap_are_refused_at_once(serve, certs):
     with ThreadPoolExecutor(max_workers=4) as pool:
         list(pool.map(call, range(4)))
     assert sorted(map(str, outcomes)) == ["StatusCode.RESOURCE_EXHAUSTED"] * 2 + ["ok"] * 2, outcomes
+
+
+def test_more_connections_get_a_greedy_peer_no_more_of_the_budget(serve, client):
+    service = serve([{"name": "slow", "code": SLOW, "workers": 4, "max_in_flight": 4}])
+    other = client([{"name": "slow", "code": SLOW}], [service.target], name="other")
+    request = pb.ScoreRequest(function="slow", samples=build_samples(["p"] * 4, ["gg"] * 4, {})).SerializeToString()
+    stop = threading.Event()
+
+    def hammer():  # re-sends at once whatever is deferred or refused, on a connection of its own
+        with grpc.insecure_channel(service.target, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+            while not stop.is_set():
+                try:
+                    _raw(channel, SCORE)(request, timeout=30)
+                except grpc.RpcError:
+                    pass
+
+    threads = [threading.Thread(target=hammer) for _ in range(8)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.5)
+        started = time.monotonic()
+        report = run(other["slow"].client.score(build_samples(["p"] * 2, ["abc"] * 2, {})))
+        waited = time.monotonic() - started
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert report.statuses == ["ok", "ok"]
+    assert waited < 3.0, waited  # per connection, the 8 would have had 8 shares and the other none
