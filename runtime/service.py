@@ -83,11 +83,6 @@ class ServiceLimits:
                 ("grpc.http2.lookahead_bytes", self.stream_window_bytes), ("grpc.http2.bdp_probe", 0),
                 ("grpc.max_connection_idle_ms", int(self.idle_s * 1000)),
                 ("grpc.server_handshake_timeout_ms", int(self.handshake_s * 1000))]
-
-    def memory_bound_bytes(self) -> int:
-        """What unauthenticated peers can make the service hold at most: every connection with every stream's
-        window full, plus about 64 KiB of buffers per connection (measured: 43 KiB)."""
-        return self.max_connections * (self.max_streams_per_connection * self.stream_window_bytes + 64 * 1024)
 DRAIN_GRACE_S = 60.0
 _OK = Status.OK
 

@@ -26,6 +26,7 @@ runs.
 from __future__ import annotations
 
 import base64
+import functools
 import importlib.metadata
 import inspect
 import io
@@ -109,6 +110,7 @@ def _pickle(fn: Any) -> tuple[bytes, _Recorder]:
     return buffer.getvalue(), recorder
 
 
+@functools.lru_cache(maxsize=None)
 def _from_a_folder(distribution: str) -> bool:
     """Whether a distribution was installed from a folder of this machine (``pip install -e .`` of the user's own
     project): no package index has it, so its code goes by value like a module of no distribution."""

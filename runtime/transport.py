@@ -70,6 +70,17 @@ class Endpoint:
         return options
 
 
+def tcp_answers(target: str, timeout_s: float = 2.0) -> bool:
+    """Whether something accepts TCP connections at a target's ``host:port`` (any ``scheme://`` before it, as in
+    ``dns:///name:port`` or ``ray://host:port``, is left out): to tell "nothing there" from "not our protocol"."""
+    host, _, port = target.split("://", 1)[-1].lstrip("/").rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
 class Connection(Protocol):
     """The RPCs of one sandbox. Every method raises :class:`TransportError` when the RPC fails (but
     :meth:`check_health`, which answers False)."""

@@ -39,18 +39,18 @@ import fcntl
 import logging
 import os
 import secrets
-import socket
 import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
+import docker.utils
 from pydantic import Field
 
 from ..errors import BackendError, ConfigError, ImageBuildError, RewardLoadError
 from ..registry import BackendType
-from ..spec import RewardSpec
-from ..transport import Endpoint
+from ..spec import RewardSpec, is_local_package
+from ..transport import Endpoint, tcp_answers
 from .base import BackendSettings, reward_environment
 from .docker import DockerSettings
 
@@ -80,12 +80,6 @@ class RaySettings(BackendSettings):
                                    "node, image build included")
     docker: DockerSettings = Field(default_factory=DockerSettings, description="the node-side sandboxes: "
                                    "sandbox.docker's settings, applied on each node")
-
-
-def _bytes(size: str) -> int:
-    units = {"b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    size = size.lower()
-    return int(float(size[:-1]) * units[size[-1]]) if size[-1] in units else int(float(size))
 
 
 def run_certificates() -> tuple[bytes, bytes, bytes]:
@@ -123,16 +117,10 @@ def _check_reachable(address: str) -> None:
     Raises:
         BackendError: naming the address and how to start a cluster.
     """
-    if address == "auto":
-        return
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
-            return
-    except (OSError, ValueError) as e:
+    if address != "auto" and not tcp_answers(address, timeout_s=5):
         raise BackendError(
-            f"sandbox.ray.address is {address!r}, and nothing answers there ({e}). Start the cluster's head there "
-            "(`ray start --head`, which listens on 6379; Ray Client on 10001), or fix the address.") from None
+            f"sandbox.ray.address is {address!r}, and nothing answers there. Start the cluster's head there "
+            "(`ray start --head`, which listens on 6379; Ray Client on 10001), or fix the address.")
 
 
 class RewardServer:
@@ -343,7 +331,7 @@ class RayBackend:
     def prepare(self, rewards: Sequence[RewardSpec]) -> None:
         """Images are built on the nodes, as replicas start there. Checks what cannot work across machines."""
         for reward in rewards:
-            local = [p for p in reward.packages if p.startswith(("/", ".", "~"))]
+            local = [p for p in reward.packages if is_local_package(p)]
             if local:
                 raise ConfigError(f"reward {reward.name!r}: packages {local} are folders of this machine, which the "
                                   "other nodes of a Ray cluster do not have: publish them to an index, or use the "
@@ -355,7 +343,7 @@ class RayBackend:
         options: dict[str, Any] = {
             "name": f"rewardbox-{self.run_id}-{reward.name}-{replica}-{generation}",
             "num_cpus": self.settings.num_cpus or reward.cpus,
-            "memory": _bytes(self.settings.memory or reward.memory),
+            "memory": docker.utils.parse_bytes(self.settings.memory or reward.memory),
             "max_restarts": 0,  # a replacement is the backend's (RaySandbox.restart): once, on a live node
             "max_concurrency": 4,  # address() waits while ping() and stop() answer
             "scheduling_strategy": "SPREAD" if self.settings.strategy == "spread" else "DEFAULT",

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional, Sequence
@@ -29,7 +28,7 @@ from pydantic import Field
 
 from ..errors import BackendError, ConfigError, TransportError
 from ..spec import RewardSpec
-from ..transport import Endpoint, GrpcTransport, Transport
+from ..transport import Endpoint, GrpcTransport, Transport, tcp_answers
 from .base import BackendSettings, ExternalSandbox
 from ..registry import BackendType
 
@@ -67,17 +66,6 @@ class RemoteSandbox(ExternalSandbox):
 
     def logs(self, tail: int = 40) -> str:
         return f"(the service's output is on the machine that runs it: {self._endpoint.target})"
-
-
-def _tcp_answers(target: str) -> bool:
-    """Whether something accepts TCP connections at ``host:port`` (to tell "nothing there" from "not our
-    protocol")."""
-    host, _, port = target.removeprefix("dns:///").rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
-            return True
-    except (OSError, ValueError):
-        return False
 
 
 class RemoteBackend:
@@ -172,7 +160,7 @@ class RemoteBackend:
             return ("the TLS handshake failed: check that sandbox.remote.tls_ca is the CA that signed the service's "
                     "certificate, that the certificate names this host (or set sandbox.remote.tls_server_name), "
                     f"and that the service was started with --tls-cert ({error.details})")
-        if endpoint.root_certificates is None and _tcp_answers(endpoint.target):
+        if endpoint.root_certificates is None and tcp_answers(endpoint.target):
             return ("something answers there, but not plaintext gRPC: the service probably uses TLS; set "
                     "sandbox.remote.tls_ca to the CA file that signed its certificate")
         return None

@@ -48,16 +48,20 @@ _start_lock = threading.Lock()
 _pending: dict[tuple, list] = {}  # (config, loop) -> [(row, future)]
 
 
+def _key(config: Optional[str]) -> str:
+    if not config:
+        raise ValueError("rewardbox.integrations.verl needs its rewardbox config: set "
+                         "reward.custom_reward_function.reward_kwargs.config=/path/to/rewardbox.yaml in verl's config")
+    return str(Path(config).resolve())
+
+
 def sandboxes_for(config: Optional[str]) -> RewardSandboxes:
     """The started sandboxes of a rewardbox config (once per process; stopped at exit).
 
     Raises:
         ValueError: no config named (saying where to name it); rewardbox's errors when it cannot start.
     """
-    if not config:
-        raise ValueError("rewardbox.integrations.verl needs its rewardbox config: set "
-                         "reward.custom_reward_function.reward_kwargs.config=/path/to/rewardbox.yaml in verl's config")
-    key = str(Path(config).resolve())
+    key = _key(config)
     with _start_lock:
         if key not in _started:
             sandboxes = RewardSandboxes(load_config(key))
@@ -113,9 +117,11 @@ async def _flush(key: tuple, sandboxes: RewardSandboxes) -> None:
 async def compute_score(data_source: Any, solution_str: str, ground_truth: Any, extra_info: Optional[dict] = None,
                         config: Optional[str] = None, **kwargs: Any) -> dict:
     """verl's custom reward (async: verl 0.6+). ``config``: the rewardbox config (``reward_kwargs``)."""
-    sandboxes = await asyncio.to_thread(sandboxes_for, config)  # starts them on the first call only
+    path = _key(config)
+    # Started: at once; else started in a thread (the first call of a process), while the loop serves the others
+    sandboxes = _started.get(path) or await asyncio.to_thread(sandboxes_for, config)
     loop = asyncio.get_running_loop()
-    key = (str(Path(config).resolve()), id(loop))
+    key = (path, id(loop))
     future = loop.create_future()
     batch = _pending.setdefault(key, [])
     batch.append((_row(data_source, solution_str, ground_truth, extra_info), future))
