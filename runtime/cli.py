@@ -351,6 +351,8 @@ def serve(
     listen: str = typer.Option("127.0.0.1:50051", help="HOST:PORT; other than loopback needs TLS and a token"),
     tls_cert: Optional[Path] = typer.Option(None, help="the service's certificate chain (PEM)"),
     tls_key: Optional[Path] = typer.Option(None, help="its private key (PEM)"),
+    tls_client_ca: Optional[Path] = typer.Option(None, help="require client certificates signed by this CA (PEM): "
+                                                 "peers without one are refused in the TLS handshake, before HTTP/2"),
     token_env: str = typer.Option("REWARDBOX_TOKEN", help="environment variable holding the token clients must "
                                   "send; checked whenever it is set"),
     backend: Optional[str] = typer.Option(None, help="override sandbox.backend of CONFIG (where the sandboxes run)"),
@@ -379,7 +381,7 @@ def serve(
                           "and stops", highlight=False, soft_wrap=True)
 
     try:
-        security = ServiceSecurity.from_options(listen, tls_cert, tls_key, token_env)
+        security = ServiceSecurity.from_options(listen, tls_cert, tls_key, token_env, tls_client_ca)
         cfg = load_config(config)
         if backend:
             cfg.sandbox.backend = backend

@@ -100,15 +100,21 @@ def is_loopback(listen: str) -> bool:
 
 @dataclass(frozen=True)
 class ServiceSecurity:
-    """What clients must present: TLS (the server's certificate chain and key, PEM) and a bearer token."""
+    """What clients must present: TLS (the server's certificate chain and key, PEM), a bearer token, and, with a
+    client CA, a client certificate that CA signed (mutual TLS).
+
+    With a client CA, a peer without such a certificate is refused in the TLS handshake: it never reaches HTTP/2,
+    so it can open no stream, send no header and cost the service nothing of gRPC's per-connection state (the
+    token alone is checked only after HTTP/2, per call)."""
 
     certificate: Optional[bytes] = None
     private_key: Optional[bytes] = None
     token: Optional[str] = None
+    client_ca: Optional[bytes] = None
 
     @classmethod
     def from_options(cls, listen: str, tls_cert: Optional[Path], tls_key: Optional[Path],
-                     token_env: str = TOKEN_ENV) -> "ServiceSecurity":
+                     token_env: str = TOKEN_ENV, tls_client_ca: Optional[Path] = None) -> "ServiceSecurity":
         """Reads the files and the token, enforcing the rule: TLS and a token unless listening on loopback.
 
         Raises:
@@ -119,9 +125,17 @@ class ServiceSecurity:
         if (tls_cert is None) != (tls_key is None):
             raise ConfigError("--tls-cert and --tls-key go together: give both (the certificate chain and its key, "
                               "PEM), or neither (loopback only)")
-        certificate = private_key = None
+        if tls_client_ca is not None and tls_cert is None:
+            raise ConfigError("--tls-client-ca needs TLS: give --tls-cert and --tls-key too (client certificates "
+                              "are checked in the TLS handshake)")
+        certificate = private_key = client_ca = None
         if tls_cert is not None:
             certificate, private_key = _read(tls_cert, "--tls-cert"), _read(tls_key, "--tls-key")
+        if tls_client_ca is not None:
+            client_ca = _read(tls_client_ca, "--tls-client-ca")
+            if b"-----BEGIN CERTIFICATE-----" not in client_ca:
+                raise ConfigError(f"--tls-client-ca {tls_client_ca}: not a PEM certificate (expected the CA that "
+                                  "signs the trainers' client certificates, -----BEGIN CERTIFICATE-----)")
         token = os.environ.get(token_env) or None
         if not is_loopback(listen):
             missing = [what for what, have in (("TLS (--tls-cert and --tls-key)", certificate),
@@ -129,10 +143,18 @@ class ServiceSecurity:
             if missing:
                 raise ConfigError(f"--listen {listen}: other machines can reach this address, so the service needs "
                                   f"{' and '.join(missing)}; or listen on 127.0.0.1 for this machine only")
-        return cls(certificate, private_key, token)
+        return cls(certificate, private_key, token, client_ca)
 
     def describe(self) -> str:
-        return f"{'TLS' if self.certificate else 'plaintext'}, {'token' if self.token else 'no token'}"
+        tls = ("mutual TLS" if self.client_ca else "TLS") if self.certificate else "plaintext"
+        return f"{tls}, {'token' if self.token else 'no token'}"
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """The TLS credentials: the service's certificate, and with a client CA, client certificates required."""
+        if self.client_ca:
+            return grpc.ssl_server_credentials([(self.private_key, self.certificate)],
+                                               root_certificates=self.client_ca, require_client_auth=True)
+        return grpc.ssl_server_credentials([(self.private_key, self.certificate)])
 
 
 def _read(path: Path, option: str) -> bytes:
@@ -389,8 +411,7 @@ async def serve(config: RewardboxConfig, listen: str, security: ServiceSecurity,
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
         if security.certificate:
-            credentials = grpc.ssl_server_credentials([(security.private_key, security.certificate)])
-            port = server.add_secure_port(listen, credentials)
+            port = server.add_secure_port(listen, security.server_credentials())
         else:
             port = server.add_insecure_port(listen)
         if not port:

@@ -49,12 +49,16 @@ class Endpoint:
         token: sent with every call as ``authorization: Bearer <token>``. Without TLS only over a local
             connection (a Unix socket or loopback), which gRPC enforces.
         server_name: the name the server's TLS certificate must carry, when it is not the target's host.
+        client_certificate, client_key: this client's certificate chain and key (PEM), for a service that requires
+            client certificates (``rewardbox serve --tls-client-ca``).
     """
 
     target: str
     root_certificates: Optional[bytes] = field(default=None, repr=False)
     token: Optional[str] = field(default=None, repr=False)
     server_name: Optional[str] = None
+    client_certificate: Optional[bytes] = field(default=None, repr=False)
+    client_key: Optional[bytes] = field(default=None, repr=False)
 
     def channel_options(self) -> tuple:
         """gRPC channel options: ours, plus for a TCP target round-robin over every address its name resolves
@@ -113,7 +117,9 @@ def channel_credentials(endpoint: Endpoint) -> Optional[grpc.ChannelCredentials]
     if endpoint.root_certificates is None and endpoint.token is None:
         return None
     if endpoint.root_certificates is not None:
-        credentials = grpc.ssl_channel_credentials(root_certificates=endpoint.root_certificates)
+        credentials = grpc.ssl_channel_credentials(root_certificates=endpoint.root_certificates,
+                                                   private_key=endpoint.client_key,
+                                                   certificate_chain=endpoint.client_certificate)
     else:
         local = grpc.LocalConnectionType
         kind = local.UDS if endpoint.target.startswith("unix:") else local.LOCAL_TCP

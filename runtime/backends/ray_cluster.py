@@ -19,7 +19,8 @@ on a shared service.
 - **Images** are built on each node that runs a replica (once per node and package set: the image cache is the
   node's), or pulled from the registry ``docker.base_image`` names.
 - **Security.** Every run makes its own CA, a server certificate (for the name :data:`SERVER_NAME`; the trainer
-  checks it whatever the node's address) and a token; they reach the actors as actor arguments, so through Ray's
+  checks it whatever the node's address), a client certificate the actors require (mutual TLS: a peer of the
+  node's network without it is refused in the TLS handshake, before HTTP/2) and a token; they reach the actors as actor arguments, so through Ray's
   object store: whoever can run code on the cluster can read them, as they can run code on its nodes anyway.
 - **Faults.** A replica whose actor, container or node dies fails health; the trainer's client retries its
   unscored samples (:mod:`rewardbox.client`) and the backend replaces it: the old actor is killed and a new one is
@@ -41,6 +42,7 @@ import os
 import secrets
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
@@ -57,6 +59,7 @@ from .docker import DockerSettings
 log = logging.getLogger("rewardbox")
 
 SERVER_NAME = "rewardbox-ray"  # the name every actor's certificate carries
+CLIENT_NAME = "rewardbox-ray-trainer"  # the name of the trainer's client certificate
 NAMESPACE = "rewardbox"
 NODE_LOCK = "ray-build.lock"  # in the node's image cache: one build of an image per node at a time
 
@@ -82,8 +85,20 @@ class RaySettings(BackendSettings):
                                    "sandbox.docker's settings, applied on each node")
 
 
-def run_certificates() -> tuple[bytes, bytes, bytes]:
-    """(CA certificate, server certificate chain, server key), PEM, for :data:`SERVER_NAME`: made per run."""
+@dataclass(frozen=True)
+class RunCertificates:
+    """A run's CA, the actors' server certificate (chain and key) and the trainer's client certificate (chain and
+    key), PEM: the actors require the client certificate (mutual TLS), so a peer without it never reaches HTTP/2."""
+
+    ca: bytes
+    server: bytes
+    server_key: bytes
+    client: bytes
+    client_key: bytes
+
+
+def run_certificates() -> RunCertificates:
+    """A new CA and, signed by it, a server certificate for :data:`SERVER_NAME` and a client certificate."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -91,6 +106,7 @@ def run_certificates() -> tuple[bytes, bytes, bytes]:
 
     now = datetime.datetime.now(datetime.timezone.utc)
     valid = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=30))
+    pem = serialization.Encoding.PEM
 
     def certificate(subject: str, key, issuer: str, issuer_key, ca: bool):
         builder = (x509.CertificateBuilder()
@@ -103,12 +119,14 @@ def run_certificates() -> tuple[bytes, bytes, bytes]:
             builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(subject)]), critical=False)
         return builder.sign(issuer_key, hashes.SHA256())
 
-    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca = certificate("rewardbox run CA", ca_key, "rewardbox run CA", ca_key, ca=True)
-    server = certificate(SERVER_NAME, key, "rewardbox run CA", ca_key, ca=False)
-    pem = serialization.Encoding.PEM
-    return (ca.public_bytes(pem), server.public_bytes(pem) + ca.public_bytes(pem),
-            key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    def private(key) -> bytes:
+        return key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+
+    ca_key, key, client_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(3))
+    ca = certificate("rewardbox run CA", ca_key, "rewardbox run CA", ca_key, ca=True).public_bytes(pem)
+    server = certificate(SERVER_NAME, key, "rewardbox run CA", ca_key, ca=False).public_bytes(pem)
+    client = certificate(CLIENT_NAME, client_key, "rewardbox run CA", ca_key, ca=False).public_bytes(pem)
+    return RunCertificates(ca, server + ca, private(key), client + ca, private(client_key))
 
 
 def _check_reachable(address: str) -> None:
@@ -126,7 +144,7 @@ def _check_reachable(address: str) -> None:
 class RewardServer:
     """The actor: one replica of one reward, served on this node like ``rewardbox serve`` serves it."""
 
-    def __init__(self, reward: dict, filename: str, source: str, docker: dict, certificate: bytes, key: bytes,
+    def __init__(self, reward: dict, filename: str, source: str, docker: dict, certificates: RunCertificates,
                  token: str, environment: dict):
         import ray
 
@@ -139,7 +157,7 @@ class RewardServer:
         os.environ.update(environment)  # the reward's secrets and env: read by its sandbox (reward_environment)
         self.config = parse_config({"sandbox": {"backend": "docker", "docker": docker},
                                     "rewards": [{**reward, "source": filename, "replicas": 1}]}, self.folder)
-        self.certificate, self.key, self.token = certificate, key, token
+        self.certificates, self.token = certificates, token
         self.port: Optional[int] = None
         self.error: Optional[tuple[str, str]] = None  # (the exception's type, its message)
         self.sandboxes: Any = None
@@ -156,7 +174,8 @@ class RewardServer:
 
         async def main() -> None:
             self.loop, self.stopping = asyncio.get_running_loop(), asyncio.Event()
-            security = ServiceSecurity(self.certificate, self.key, self.token)
+            c = self.certificates
+            security = ServiceSecurity(c.server, c.server_key, self.token, client_ca=c.ca)
             await serve(self.config, "0.0.0.0:0", security, on_ready=self._up,
                         stop=self.stopping, drain_grace_s=5.0)
 
@@ -245,7 +264,8 @@ class RaySandbox:
                            f"{kind}: {message}")
             raise error(message)
         ip, port, self.node_id, self.pid = where["ip"], where["port"], where["node_id"], where["pid"]
-        self._endpoint = Endpoint(f"{ip}:{port}", self.backend.ca, self.backend.token, SERVER_NAME)
+        c = self.backend.certificates
+        self._endpoint = Endpoint(f"{ip}:{port}", c.ca, self.backend.token, SERVER_NAME, c.client, c.client_key)
         log.info("reward %s: replica %d serves on %s:%d (Ray node %s)", self.reward.name, self.replica, ip, port,
                  self.node_id[:12])
 
@@ -323,7 +343,7 @@ class RayBackend:
                     f"sandbox.ray.address is {self.settings.address!r}, and no Ray cluster answers there ({e}). "
                     "Start one: `ray start --head` on this machine (then `ray start --address=HEAD_IP:6379` on each "
                     "other node), or set sandbox.ray.address to a running cluster's address.") from None
-        self.ca, self.certificate, self.key = run_certificates()
+        self.certificates = run_certificates()
         self.token = secrets.token_urlsafe(32)
         self.run_id = secrets.token_hex(4)
         self._actor_class = ray.remote(RewardServer)
@@ -356,8 +376,8 @@ class RayBackend:
         # The named secrets' values, read here, become the actor's environment, where its sandbox reads them.
         secrets_ = {k: v for k, v in reward_environment(reward).items() if k in reward.secrets}
         return self._actor_class.options(**options).remote(
-            spec, Path(reward.source).name, source, self.settings.docker.model_dump(mode="json"), self.certificate,
-            self.key, self.token, secrets_)
+            spec, Path(reward.source).name, source, self.settings.docker.model_dump(mode="json"), self.certificates,
+            self.token, secrets_)
 
     def create(self, reward: RewardSpec, replica: int) -> RaySandbox:
         return RaySandbox(self, reward, replica)

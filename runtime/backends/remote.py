@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import ssl
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional, Sequence
@@ -46,6 +48,9 @@ class RemoteSettings(BackendSettings):
                                    "unset: plaintext (loopback services only)")
     tls_server_name: Optional[str] = Field(default=None, description="the name the services' certificates carry, "
                                            "when it is not the endpoint's host")
+    tls_client_cert: Optional[Path] = Field(default=None, description="this trainer's client certificate chain "
+                                            "(PEM), for services started with --tls-client-ca")
+    tls_client_key: Optional[Path] = Field(default=None, description="the client certificate's private key (PEM)")
     token_env: Optional[str] = Field(default=None, description="environment variable holding the services' token")
     max_wait_s: float = Field(default=600.0, ge=0, description="how long samples may wait for a reward's "
                               "max_in_flight budget before they fall back to default_score")
@@ -86,17 +91,25 @@ class RemoteBackend:
             raise ConfigError("sandbox.remote.endpoints is empty: list the host:port of each `rewardbox serve`")
         ca = None
         if self.settings.tls_ca is not None:
-            try:
-                ca = Path(self.settings.tls_ca).read_bytes()
-            except OSError as e:
-                raise ConfigError(f"sandbox.remote.tls_ca: cannot read {self.settings.tls_ca}: {e.strerror}") from None
+            ca = _read(self.settings.tls_ca, "tls_ca")
+        client_cert = client_key = None
+        if (self.settings.tls_client_cert is None) != (self.settings.tls_client_key is None):
+            raise ConfigError("sandbox.remote.tls_client_cert and tls_client_key go together: give both (the client "
+                              "certificate chain and its key, PEM), or neither")
+        if self.settings.tls_client_cert is not None:
+            if ca is None:
+                raise ConfigError("sandbox.remote.tls_client_cert needs TLS: set sandbox.remote.tls_ca to the CA "
+                                  "that signed the services' certificates")
+            client_cert = _read(self.settings.tls_client_cert, "tls_client_cert")
+            client_key = _read(self.settings.tls_client_key, "tls_client_key")
         token = None
         if self.settings.token_env:
             token = os.environ.get(self.settings.token_env)
             if not token:
                 raise BackendError(f"sandbox.remote.token_env names {self.settings.token_env}, which is not set: "
                                    f"export {self.settings.token_env}=<the token the services were started with>")
-        self.endpoints = [Endpoint(t, ca, token, self.settings.tls_server_name) for t in self.settings.endpoints]
+        self.endpoints = [Endpoint(t, ca, token, self.settings.tls_server_name, client_cert, client_key)
+                          for t in self.settings.endpoints]
         self.serves: dict[str, set[str]] = {}  # target -> reward names
 
     def prepare(self, rewards: Sequence[RewardSpec]) -> None:
@@ -160,10 +173,34 @@ class RemoteBackend:
             return ("the TLS handshake failed: check that sandbox.remote.tls_ca is the CA that signed the service's "
                     "certificate, that the certificate names this host (or set sandbox.remote.tls_server_name), "
                     f"and that the service was started with --tls-cert ({error.details})")
+        if endpoint.root_certificates is not None and "socket closed" in details and self._refuses_client(endpoint):
+            if endpoint.client_certificate is None:
+                return ("the service closes connections right after the TLS handshake: it requires client "
+                        "certificates (`rewardbox serve --tls-client-ca`). Set sandbox.remote.tls_client_cert and "
+                        "tls_client_key to a certificate that CA signed")
+            return (f"the service refused the client certificate {self.settings.tls_client_cert} in the TLS "
+                    "handshake: it must be signed by the CA the service's --tls-client-ca names, and be valid now")
         if endpoint.root_certificates is None and tcp_answers(endpoint.target):
             return ("something answers there, but not plaintext gRPC: the service probably uses TLS; set "
                     "sandbox.remote.tls_ca to the CA file that signed its certificate")
         return None
+
+    def _refuses_client(self, endpoint: Endpoint) -> bool:
+        """Whether the service completes a TLS handshake with these settings and then closes the connection
+        instead of answering HTTP/2: what a service that requires (or rejects) client certificates does (TLS 1.3
+        checks the client's certificate after the client's side of the handshake is done)."""
+        host, _, port = endpoint.target.split("://", 1)[-1].lstrip("/").rpartition(":")
+        context = ssl.create_default_context(cadata=endpoint.root_certificates.decode())
+        context.set_alpn_protocols(["h2"])
+        if self.settings.tls_client_cert is not None:
+            context.load_cert_chain(self.settings.tls_client_cert, self.settings.tls_client_key)
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=5) as raw, \
+                    context.wrap_socket(raw, server_hostname=endpoint.server_name or host.strip("[]")) as tls:
+                tls.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+                return tls.recv(9) == b""
+        except (OSError, ValueError):  # ssl.SSLError is an OSError: another TLS problem, explained above
+            return False
 
     def replica_count(self, reward: RewardSpec) -> int:
         """One replica per endpoint that serves the reward (``replicas`` is the service's to set)."""
@@ -176,6 +213,13 @@ class RemoteBackend:
 
     def close(self) -> None:
         pass
+
+
+def _read(path: Path, setting: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"sandbox.remote.{setting}: cannot read {path}: {e.strerror}") from None
 
 
 BACKEND = BackendType(

@@ -4,13 +4,17 @@ nodes): placement across nodes, and a node lost in the middle of scoring. The co
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
+import grpc
 import pytest
 
 from rewardbox import build_samples
 from rewardbox.backends.containers import LABEL
+from rewardbox.errors import TransportError
+from rewardbox.transport import GrpcTransport
 from tests.conftest import run, started_sandboxes
 
 SLOW = """
@@ -37,6 +41,14 @@ def test_replicas_of_a_reward_go_to_different_nodes(start_on_ray):
     completions = ["a" * i for i in range(12)]
     report = run(s["slow"].client.score(build_samples(["p"] * 12, completions, {})))
     assert report.statuses == ["ok"] * 12 and report.values == [i + 0.5 for i in range(12)]
+    # the actors require the run's client certificate: with the token and the CA but without it, nothing answers
+    endpoint = s.replicas["slow"][0].sandbox.endpoint
+    assert endpoint.client_certificate and endpoint.client_key
+    stranger = GrpcTransport().connect(dataclasses.replace(endpoint, client_certificate=None, client_key=None))
+    with pytest.raises(TransportError) as refused:
+        stranger.describe(10)
+    stranger.close()
+    assert refused.value.code == grpc.StatusCode.UNAVAILABLE
 
 
 def test_a_node_lost_in_the_middle_of_scoring_loses_no_sample(start_on_ray, ray_cluster, docker_client):

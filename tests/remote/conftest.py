@@ -32,6 +32,10 @@ class Certificates:
     cert: Path
     key: Path
     other_ca: Path  # a CA that signed nothing the services use
+    client_cert: Path  # a trainer's client certificate, signed by ca (for services with --tls-client-ca)
+    client_key: Path
+    other_client_cert: Path  # a client certificate signed by another CA
+    other_client_key: Path
 
 
 @pytest.fixture(scope="session")
@@ -44,8 +48,15 @@ def certs(tmp_path_factory) -> Certificates:
     ca.cert_pem.write_to_path(str(folder / "ca.pem"))
     issued.private_key_pem.write_to_path(str(folder / "server.key"))
     (folder / "server.pem").write_bytes(b"".join(p.bytes() for p in issued.cert_chain_pems))
-    trustme.CA().cert_pem.write_to_path(str(folder / "other-ca.pem"))
-    return Certificates(folder / "ca.pem", folder / "server.pem", folder / "server.key", folder / "other-ca.pem")
+    other = trustme.CA()
+    other.cert_pem.write_to_path(str(folder / "other-ca.pem"))
+    for name, issuer in (("client", ca), ("other-client", other)):
+        issued = issuer.issue_cert(f"{name}.trainers.example")
+        issued.private_key_pem.write_to_path(str(folder / f"{name}.key"))
+        (folder / f"{name}.pem").write_bytes(b"".join(p.bytes() for p in issued.cert_chain_pems))
+    return Certificates(folder / "ca.pem", folder / "server.pem", folder / "server.key", folder / "other-ca.pem",
+                        folder / "client.pem", folder / "client.key", folder / "other-client.pem",
+                        folder / "other-client.key")
 
 
 @dataclass
@@ -113,13 +124,13 @@ def launch_service(command: list, env: dict, timeout_s: float = 60) -> Service:
 
 @pytest.fixture
 def serve(tmp_path):
-    """serve(rewards, tls=None|Certificates, token=None, name="a", sandbox=None, extra=()) -> a running Service (its
-    sandboxes on the local backend unless ``sandbox`` says otherwise; ``extra``: more options); all stopped
-    afterwards."""
+    """serve(rewards, tls=None|Certificates, token=None, name="a", sandbox=None, extra=(), mutual=False) -> a
+    running Service (its sandboxes on the local backend unless ``sandbox`` says otherwise; ``extra``: more options;
+    ``mutual``: clients need a certificate of ``tls.ca``); all stopped afterwards."""
     services = []
 
     def start(rewards: list[dict], tls: Optional[Certificates] = None, token: Optional[str] = None,
-              name: str = "a", sandbox: Optional[dict] = None, extra: tuple = ()) -> Service:
+              name: str = "a", sandbox: Optional[dict] = None, extra: tuple = (), mutual: bool = False) -> Service:
         folder = tmp_path / f"service-{name}"
         entries = write_rewards(folder, rewards)
         sandbox = sandbox or {"backend": "local"}
@@ -128,6 +139,8 @@ def serve(tmp_path):
                    "--listen", "127.0.0.1:0", "--token-env", TOKEN_ENV]
         if tls is not None:
             command += ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key)]
+            if mutual:
+                command += ["--tls-client-ca", str(tls.ca)]
         command += list(extra)
         env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
         if token is not None:

@@ -4,6 +4,8 @@ whether one token holder can starve another. Real services (TLS and a token on l
 from __future__ import annotations
 
 import asyncio
+import socket
+import ssl
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -209,3 +211,82 @@ def test_more_connections_get_a_greedy_peer_no_more_of_the_budget(serve, client)
             t.join()
     assert report.statuses == ["ok", "ok"]
     assert waited < 3.0, waited  # per connection, the 8 would have had 8 shares and the other none
+
+
+def _rapid_reset(target: str, ca: bytes, streams: int) -> bytes:
+    """One connection of an HTTP/2 rapid-reset flood (CVE-2023-44487) by a peer without a client certificate: the
+    preface, then ``streams`` Score calls each reset at once. Returns what the service sent back."""
+    import h2.config
+    import h2.connection
+
+    host, port = target.rsplit(":", 1)
+    context = ssl.create_default_context(cadata=ca.decode())
+    context.set_alpn_protocols(["h2"])
+    received = b""
+    with socket.create_connection((host, int(port)), timeout=10) as raw, \
+            context.wrap_socket(raw, server_hostname="localhost") as tls:
+        peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        peer.initiate_connection()
+        for i in range(streams):
+            stream = 1 + 2 * i
+            peer.send_headers(stream, [(":method", "POST"), (":scheme", "https"), (":path", SCORE),
+                                       (":authority", target), ("content-type", "application/grpc"),
+                                       ("authorization", f"Bearer {TOKEN}")])
+            peer.reset_stream(stream)
+        tls.settimeout(2)  # a service that speaks HTTP/2 keeps the connection: what it sent within 2 s is enough
+        try:
+            tls.sendall(peer.data_to_send())
+            while chunk := tls.recv(65536):
+                received += chunk
+        except OSError:  # closed by the service, or quiet for 2 s (ssl.SSLError is one): what came before is kept
+            pass
+    return received
+
+
+def test_without_a_client_certificate_a_peer_never_reaches_http2(serve, certs):
+    """With --tls-client-ca, a peer that has the token but no client certificate is refused in the TLS handshake:
+    a flood of its connections, each a rapid reset of 2,000 streams, gets not one HTTP/2 byte back, leaves the
+    service's memory as it was, and authorised calls go on."""
+    service = serve([{"name": "exact", "code": EXACT}], tls=certs, token=TOKEN, mutual=True)
+    pid = service.proc.pid
+    ca = certs.ca.read_bytes()
+    authorised = grpc.ssl_channel_credentials(ca, certs.client_key.read_bytes(), certs.client_cert.read_bytes())
+    request = pb.ScoreRequest(function="exact", samples=build_samples(["p"], ["abcd"], {})).SerializeToString()
+    good = (("authorization", f"Bearer {TOKEN}"),)
+    with grpc.secure_channel(service.target, authorised) as channel:
+        _raw(channel, SCORE)(request, timeout=30, metadata=good)  # warm: the service's own buffers exist
+        before = _rss(pid)
+        peak = _Peak(pid)
+        stop, answers, latencies = threading.Event(), [], []
+
+        def flood():
+            while not stop.is_set():
+                answers.append(_rapid_reset(service.target, ca, 2000))
+
+        flooders = [threading.Thread(target=flood) for _ in range(8)]
+        for t in flooders:
+            t.start()
+        try:
+            deadline = time.monotonic() + 8
+            while time.monotonic() < deadline:
+                started = time.monotonic()
+                reply = _raw(channel, SCORE)(request, timeout=30, metadata=good)
+                latencies.append(time.monotonic() - started)
+                assert pb.ScoreResponse.FromString(reply).scores[0].value == 4.0
+        finally:
+            stop.set()
+            for t in flooders:
+                t.join()
+        grown = peak.stop() - before
+    assert len(answers) > 50, len(answers)  # the flood ran
+    assert set(answers) == {b""}, {a[:32] for a in answers}  # not a SETTINGS frame: HTTP/2 never started
+    assert grown < 16 * 1024 * 1024, f"the service grew by {grown / 2**20:.1f} MiB under the flood"
+    # and with the token but without the certificate, gRPC itself gets no further
+    with grpc.secure_channel(service.target, grpc.ssl_channel_credentials(ca)) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            _raw(channel, SCORE)(request, timeout=10, metadata=good)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    latencies.sort()
+    print(f"\n{len(answers)} flood connections ({len(answers) * 2000} reset streams) refused in the handshake; "
+          f"service RSS +{grown / 2**20:.1f} MiB; {len(latencies)} authorised calls meanwhile, median "
+          f"{latencies[len(latencies) // 2] * 1000:.1f} ms, p95 {latencies[int(len(latencies) * 0.95)] * 1000:.1f} ms")

@@ -109,6 +109,29 @@ def test_wrong_token_missing_token_and_plaintext_to_tls_fail_at_start_naming_the
     assert "a client loaded" not in "".join(a.output)  # nothing got as far as loading, let alone scoring
 
 
+def test_a_service_with_a_client_ca_serves_only_clients_with_its_certificates(serve, client, certs):
+    a = serve([{"name": "exact", "code": EXACT}], tls=certs, token=TOKEN, mutual=True)
+    assert "(mutual TLS, token)" in "".join(a.output)
+    reward = [{"name": "exact", "code": EXACT}]
+    s = client(reward, [a.target], tls_ca=certs.ca, token=TOKEN, tls_client_cert=str(certs.client_cert),
+               tls_client_key=str(certs.client_key), name="ok")
+    samples, expected = batch(0, 8)
+    report = asyncio.run(s["exact"].client.score(samples))
+    assert report.statuses == ["ok"] * 8 and report.values == expected
+    with pytest.raises(BackendError, match=r"requires client certificates \(`rewardbox serve --tls-client-ca`\)\. "
+                                           r"Set sandbox.remote.tls_client_cert and tls_client_key"):
+        client(reward, [a.target], tls_ca=certs.ca, token=TOKEN, name="none")
+    with pytest.raises(BackendError, match=r"refused the client certificate .*other-client.pem in the TLS handshake"):
+        client(reward, [a.target], tls_ca=certs.ca, token=TOKEN, tls_client_cert=str(certs.other_client_cert),
+               tls_client_key=str(certs.other_client_key), name="other")
+    with pytest.raises(ConfigError, match=r"tls_client_cert and tls_client_key go together"):
+        client(reward, [a.target], tls_ca=certs.ca, token=TOKEN, tls_client_cert=str(certs.client_cert), name="half")
+    # the certificate is not instead of the token: both are checked
+    with pytest.raises(BackendError, match=r"requires a token, and none is sent"):
+        client(reward, [a.target], tls_ca=certs.ca, tls_client_cert=str(certs.client_cert),
+               tls_client_key=str(certs.client_key), name="no-token")
+
+
 def test_tls_client_against_a_plaintext_service_names_the_problem(serve, client, certs):
     a = serve([{"name": "exact", "code": EXACT}])
     with pytest.raises(BackendError, match=r"speaks plaintext, not TLS"):
@@ -209,3 +232,10 @@ def test_serve_refuses_a_reachable_address_without_tls_and_a_token(tmp_path, mon
     result = CliRunner().invoke(app, ["serve", str(tmp_path / "c.yaml"), "--listen", "0.0.0.0:50999",
                                       "--tls-cert", str(tmp_path / "r.py")])
     assert result.exit_code == 2 and "--tls-cert and --tls-key go together" in result.output
+    result = CliRunner().invoke(app, ["serve", str(tmp_path / "c.yaml"), "--listen", "127.0.0.1:50999",
+                                      "--tls-client-ca", str(tmp_path / "r.py")])
+    assert result.exit_code == 2 and "--tls-client-ca needs TLS: give --tls-cert and --tls-key too" in result.output
+    result = CliRunner().invoke(app, ["serve", str(tmp_path / "c.yaml"), "--listen", "127.0.0.1:50999",
+                                      "--tls-cert", str(tmp_path / "r.py"), "--tls-key", str(tmp_path / "r.py"),
+                                      "--tls-client-ca", str(tmp_path / "r.py")])
+    assert result.exit_code == 2 and "r.py: not a PEM certificate" in result.output
