@@ -451,6 +451,9 @@ def deploy_kubernetes(
                                                 "name; none without a runtime"),
     trainer_label: str = typer.Option("rewardbox.dev/trainer=true", help="KEY=VALUE: the label of the pods that "
                                       "may connect (the NetworkPolicy's ingress)"),
+    client_certificates: bool = typer.Option(False, "--client-certificates", help="the gateways require client "
+                                             "certificates signed by the CA in the secret rewardbox-client-ca "
+                                             "(mutual TLS: a peer without one never reaches HTTP/2)"),
 ) -> None:
     """Print Kubernetes manifests serving CONFIG's rewards (`| kubectl apply -f -`): per reward a Deployment (sandbox
     and gateway containers), a headless Service, a NetworkPolicy and a ConfigMap. Reads the image tags from the
@@ -460,7 +463,7 @@ def deploy_kubernetes(
 
     try:
         text = render(load_config(config), registry, namespace=namespace, runtime_class=runtime_class,
-                      trainer_label=trainer_label)
+                      trainer_label=trainer_label, client_certificates=client_certificates)
     except RewardboxError as e:
         raise fail(str(e)) from None
     typer.echo(text, nl=False)

@@ -43,11 +43,13 @@ PREFIX = "rewardbox-"
 SCRATCH = "/scratch"
 CONFIG_DIR = "/etc/rewardbox/config"
 TLS_DIR = "/etc/rewardbox/tls"
+CLIENT_CA_DIR = "/etc/rewardbox/client-ca"
 # Slot uids inside a pod: the docker backend draws a random block per container because RLIMIT_NPROC counts a uid
 # across the host; a pod's manifest is fixed, so every pod uses this block.
 POD_SLOT_UID_BASE = 20000
 TOKEN_SECRET = "rewardbox-token"
 TLS_SECRET = "rewardbox-tls"
+CLIENT_CA_SECRET = "rewardbox-client-ca"  # with --client-certificates: the CA that signs the trainers' certificates
 REWARD_SECRETS = "rewardbox-secrets"
 DEFAULT_TRAINER_LABEL = "rewardbox.dev/trainer=true"
 SECRET_MODE = 0o440  # root:65534 (fsGroup): the gateway reads its files, nobody else
@@ -88,6 +90,7 @@ class _Options:
     runtime_class: Optional[str]
     trainer_label: tuple  # (key, value)
     names: dict  # reward name -> Kubernetes name
+    client_certificates: bool = False  # gateways require trainers' client certificates (serve --tls-client-ca)
 
 
 def resource_name(reward_name: str) -> str:
@@ -116,7 +119,7 @@ def runtime_class_name(runtime: Optional[str], override: Optional[str] = None) -
 
 
 def _options(config: RewardboxConfig, namespace: Optional[str], runtime_class: Optional[str],
-             trainer_label: str) -> _Options:
+             trainer_label: str, client_certificates: bool = False) -> _Options:
     """The checked options and names.
 
     Raises:
@@ -147,7 +150,7 @@ def _options(config: RewardboxConfig, namespace: Optional[str], runtime_class: O
                               "rename one")
         by_name[name] = reward.name
         names[reward.name] = name
-    return _Options(namespace, runtime_class_name(runtime, runtime_class), (key, value), names)
+    return _Options(namespace, runtime_class_name(runtime, runtime_class), (key, value), names, client_certificates)
 
 
 def quantity(size: str, what: str) -> str:
@@ -277,6 +280,8 @@ def _reward_manifests(config: RewardboxConfig, index: int, reward: RewardSpec, i
         {"name": "config", "configMap": {"name": name, "defaultMode": SECRET_MODE}},
         {"name": "tls", "secret": {"secretName": TLS_SECRET, "defaultMode": SECRET_MODE}},
     ]
+    if options.client_certificates:
+        volumes.append({"name": "client-ca", "secret": {"secretName": CLIENT_CA_SECRET, "defaultMode": SECRET_MODE}})
     sandbox = {
         "name": "sandbox",
         "image": image,
@@ -294,12 +299,15 @@ def _reward_manifests(config: RewardboxConfig, index: int, reward: RewardSpec, i
     if not sandbox["env"]:
         del sandbox["env"]
     probe = {"tcpSocket": {"port": PORT}}  # a gRPC probe cannot send the token
+    serve_tls = ["--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key"]
+    if options.client_certificates:
+        serve_tls += ["--tls-client-ca", f"{CLIENT_CA_DIR}/ca.crt"]
     gateway = {
         "name": "gateway",
         "image": images.service,
         "imagePullPolicy": "IfNotPresent",
         "command": ["python3", "-m", "rewardbox", "serve", f"{CONFIG_DIR}/config.yaml", "--listen", f"0.0.0.0:{PORT}",
-                    "--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key"],
+                    *serve_tls],
         "ports": [{"name": "grpc", "containerPort": PORT, "protocol": "TCP"}],
         "env": [{"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": TOKEN_SECRET, "key": "token"}}}],
         "resources": {"limits": dict(GATEWAY_RESOURCES), "requests": dict(GATEWAY_RESOURCES)},
@@ -307,7 +315,9 @@ def _reward_manifests(config: RewardboxConfig, index: int, reward: RewardSpec, i
                                      capabilities={"drop": ["ALL"]}),
         "volumeMounts": [{"name": "socket", "mountPath": SOCKET_DIR_IN_CONTAINER},
                          {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-                         {"name": "tls", "mountPath": TLS_DIR, "readOnly": True}],
+                         {"name": "tls", "mountPath": TLS_DIR, "readOnly": True},
+                         *([{"name": "client-ca", "mountPath": CLIENT_CA_DIR, "readOnly": True}]
+                           if options.client_certificates else [])],
         # Start-up loads the reward in the sandbox (sandbox.start_timeout_s) before the port opens.
         "startupProbe": {**probe, "periodSeconds": 5,
                          "failureThreshold": math.ceil(config.sandbox.start_timeout_s / 5) + 6},
@@ -359,7 +369,8 @@ def _reward_manifests(config: RewardboxConfig, index: int, reward: RewardSpec, i
 
 
 def manifests(config: RewardboxConfig, images: Images, namespace: Optional[str] = None,
-              runtime_class: Optional[str] = None, trainer_label: str = DEFAULT_TRAINER_LABEL) -> list[dict]:
+              runtime_class: Optional[str] = None, trainer_label: str = DEFAULT_TRAINER_LABEL,
+              client_certificates: bool = False) -> list[dict]:
     """The Kubernetes objects that serve ``config``'s rewards: per reward a NetworkPolicy, a ConfigMap, a headless
     Service and a Deployment, in that order. Reads the rewards' files; touches no engine or cluster.
 
@@ -368,10 +379,12 @@ def manifests(config: RewardboxConfig, images: Images, namespace: Optional[str] 
         namespace: set on every object when given.
         runtime_class: the pod's RuntimeClass; by default from ``sandbox.docker.runtime`` (gvisor for runsc).
         trainer_label: ``KEY=VALUE``, the label of the pods that may connect.
+        client_certificates: the gateways require client certificates signed by the CA in the secret
+            :data:`CLIENT_CA_SECRET` (mutual TLS: peers without one never reach HTTP/2).
     Raises:
         ConfigError: a bad option, a reward name or file Kubernetes cannot use, too low ``pids``, or a bad size.
     """
-    options = _options(config, namespace, runtime_class, trainer_label)
+    options = _options(config, namespace, runtime_class, trainer_label, client_certificates)
     docs = []
     for i, reward in enumerate(config.rewards):
         docs += _reward_manifests(config, i, reward, images, options)
@@ -384,14 +397,18 @@ def endpoints(config: RewardboxConfig, namespace: Optional[str]) -> list[str]:
     return [f"dns:///{resource_name(r.name)}.{ns}.svc:{PORT}" for r in config.rewards]
 
 
-def trainer_sandbox_section(config: RewardboxConfig, namespace: Optional[str]) -> dict:
+def trainer_sandbox_section(config: RewardboxConfig, namespace: Optional[str],
+                            client_certificates: bool = False) -> dict:
     """The ``sandbox:`` section of a trainer's config that scores on these services."""
-    return {"backend": "remote",
-            "remote": {"endpoints": endpoints(config, namespace), "tls_ca": "ca.crt", "token_env": TOKEN_ENV}}
+    remote = {"endpoints": endpoints(config, namespace), "tls_ca": "ca.crt"}
+    if client_certificates:
+        remote.update(tls_client_cert="client.crt", tls_client_key="client.key")
+    return {"backend": "remote", "remote": {**remote, "token_env": TOKEN_ENV}}
 
 
 def instructions(config: RewardboxConfig, namespace: Optional[str] = None,
-                 trainer_label: str = DEFAULT_TRAINER_LABEL, runtime_class: Optional[str] = None) -> str:
+                 trainer_label: str = DEFAULT_TRAINER_LABEL, runtime_class: Optional[str] = None,
+                 client_certificates: bool = False) -> str:
     """The manifests' leading comment: what to create first, what the cluster needs, and the trainers' side."""
     ns = f" -n {namespace}" if namespace else ""
     where = namespace or "<namespace>"
@@ -410,9 +427,15 @@ def instructions(config: RewardboxConfig, namespace: Optional[str] = None,
         f"2. the gateways' TLS certificate (for {hosts}, or *.{where}.svc) and its key:",
         f"     kubectl create secret tls {TLS_SECRET}{ns} --cert=tls.crt --key=tls.key",
     ]
+    step = 3
+    if client_certificates:
+        lines += [f"{step}. the CA that signs the trainers' client certificates (client.crt and client.key, one per "
+                  "trainer; the gateways refuse any other peer in the TLS handshake):",
+                  f"     kubectl create secret generic {CLIENT_CA_SECRET}{ns} --from-file=ca.crt=client-ca.crt"]
+        step += 1
     if owners:
         literals = " ".join(f'--from-literal={s}="${s}"' for s in owners)
-        lines += ["3. the rewards' secrets (" + "; ".join(f"{s}: {', '.join(o)}" for s, o in owners.items()) + "):",
+        lines += [f"{step}. the rewards' secrets (" + "; ".join(f"{s}: {', '.join(o)}" for s, o in owners.items()) + "):",
                   f"     kubectl create secret generic {REWARD_SECRETS}{ns} {literals}"]
     lines += [
         "",
@@ -422,10 +445,12 @@ def instructions(config: RewardboxConfig, namespace: Optional[str] = None,
         + (f"; the RuntimeClass {runtime_class}." if runtime_class else "."),
         "",
         f"Trainer pods need the label {key}: \"{value}\" and the same namespace; their config's sandbox section",
-        "(ca.crt: the CA that signed tls.crt; the token in $" + TOKEN_ENV + "):",
+        "(ca.crt: the CA that signed tls.crt; the token in $" + TOKEN_ENV
+        + ("; client.crt and client.key: the trainer's certificate" if client_certificates else "") + "):",
         "",
     ]
-    section = yaml.safe_dump({"sandbox": trainer_sandbox_section(config, namespace)}, sort_keys=False)
+    section = yaml.safe_dump({"sandbox": trainer_sandbox_section(config, namespace, client_certificates)},
+                             sort_keys=False)
     lines += section.rstrip("\n").splitlines()
     return "".join(f"# {line}".rstrip() + "\n" for line in lines)
 
@@ -512,7 +537,8 @@ def image_tags(config: RewardboxConfig) -> Images:
 
 
 def render(config: RewardboxConfig, registry: str, namespace: Optional[str] = None,
-           runtime_class: Optional[str] = None, trainer_label: str = DEFAULT_TRAINER_LABEL) -> str:
+           runtime_class: Optional[str] = None, trainer_label: str = DEFAULT_TRAINER_LABEL,
+           client_certificates: bool = False) -> str:
     """The manifests as ``rewardbox deploy kubernetes`` prints them: instructions as comments, then the YAML, with
     the images as ``rewardbox build --push --registry REGISTRY`` pushed them.
 
@@ -521,7 +547,7 @@ def render(config: RewardboxConfig, registry: str, namespace: Optional[str] = No
         BackendError, ImageBuildError: see :func:`image_tags`.
     """
     registry_reference(registry, "check")  # a malformed registry fails before the engine is asked
-    options = _options(config, namespace, runtime_class, trainer_label)
+    options = _options(config, namespace, runtime_class, trainer_label, client_certificates)
     images = image_tags(config).in_registry(registry)
-    docs = manifests(config, images, namespace, runtime_class, trainer_label)
-    return instructions(config, namespace, trainer_label, options.runtime_class) + to_yaml(docs)
+    docs = manifests(config, images, namespace, runtime_class, trainer_label, client_certificates)
+    return instructions(config, namespace, trainer_label, options.runtime_class, client_certificates) + to_yaml(docs)

@@ -180,6 +180,30 @@ def test_the_gateway_runs_serve_as_nobody_with_the_token_and_tls_from_secrets(tw
     assert "runtimeClassName" not in spec
 
 
+def test_with_client_certificates_the_gateway_requires_them_and_the_trainers_section_names_theirs(
+        two_rewards, monkeypatch):
+    import rewardbox.kubernetes as k8s
+
+    docs = manifests(two_rewards(), IMAGES, namespace="rl", client_certificates=True)
+    for doc in docs:
+        for version in KUBERNETES_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
+    gateway = container(docs, "length", "gateway")
+    assert gateway["command"][-2:] == ["--tls-client-ca", "/etc/rewardbox/client-ca/ca.crt"]
+    assert {"name": "client-ca", "mountPath": "/etc/rewardbox/client-ca", "readOnly": True} in gateway["volumeMounts"]
+    volumes = {v["name"]: v for v in pod(docs, "length")["volumes"]}
+    assert volumes["client-ca"]["secret"] == {"secretName": "rewardbox-client-ca", "defaultMode": 0o440}
+    assert "--tls-client-ca" not in container(manifests(two_rewards(), IMAGES), "length", "gateway")["command"]
+    monkeypatch.setattr(k8s, "image_tags", local_tags)
+    text = render(two_rewards(), "reg.example:5000", namespace="rl", client_certificates=True)
+    comments = text[:text.index("---")]
+    assert "kubectl create secret generic rewardbox-client-ca -n rl --from-file=ca.crt=client-ca.crt" in comments
+    section = yaml.safe_load("\n".join(line[2:] for line in comments.splitlines()
+                                       [comments.splitlines().index("# sandbox:"):]))["sandbox"]
+    remote = sandbox_settings_model().model_validate(section).backend_settings("remote")
+    assert str(remote.tls_client_cert) == "client.crt" and str(remote.tls_client_key) == "client.key"
+
+
 def test_the_socket_directory_is_closed_to_samples_before_the_sandbox_starts(two_rewards):
     spec = pod(manifests(two_rewards(), IMAGES), "length")
     [init] = spec["initContainers"]

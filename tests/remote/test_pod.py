@@ -53,9 +53,11 @@ def test_a_pods_sandbox_container_and_its_gateway_serve_with_per_sample_scratch(
     sandbox = DockerSandbox(docker_client, spec)
     sandbox.start()
     try:
+        # the gateway as `rewardbox deploy kubernetes --client-certificates` runs it: mutual TLS and a token
         service = serve([{"name": "probe", "code": PROBE, "workers": 2, "warm": 4}], tls=certs, token=TOKEN,
-                        sandbox={"backend": "attached", "attached": {"target": sandbox.endpoint.target}})
-        s = client([{"name": "probe", "code": PROBE}], [service.target], tls_ca=certs.ca, token=TOKEN)
+                        sandbox={"backend": "attached", "attached": {"target": sandbox.endpoint.target}}, mutual=True)
+        s = client([{"name": "probe", "code": PROBE}], [service.target], tls_ca=certs.ca, token=TOKEN,
+                   tls_client_cert=str(certs.client_cert), tls_client_key=str(certs.client_key))
         for _ in range(3):  # more samples than slots: every uid serves several samples in turn
             report = asyncio.run(s["probe"].client.score(build_samples([str(i) for i in range(24)], ["c"] * 24, {})))
             assert report.statuses == ["ok"] * 24, [e for e in report.errors if e]
