@@ -18,7 +18,7 @@ import statistics
 import textwrap
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from .samples import build_samples
 from .session import RewardSandboxes
@@ -57,6 +57,32 @@ FLOOR = textwrap.dedent(
     print((cpu() - start) / 500)
     """
 )
+# What any fresh process per sample must do with the guarantees of isolation: sample (a uid of its own and a
+# private /tmp): fork from a process holding the template's modules, become a uid of its own, take a private /tmp
+# (userns mode: a user and mount namespace with a directory bound on /tmp), exit, be waited for. Run as root in a
+# running sandbox container (its capabilities and seccomp profile), with a uid no slot uses.
+ISOLATION_FLOOR = textwrap.dedent(
+    """
+    import os, resource
+    from rewardbox.sandbox import template, slot, worker, execution, private_tmp
+    private_tmp.prewarm()
+    UID = 64999
+    def cpu():
+        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+    start = cpu()
+    for _ in range(300):
+        pid = os.fork()
+        if pid == 0:
+            os.setgroups([])
+            os.setresgid(UID, UID, UID)
+            private_tmp.become("userns", UID, "/usr/share")
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert status == 0, status
+    print((cpu() - start) / 300)
+    """
+)
 BATCHES = 5
 
 
@@ -68,8 +94,10 @@ def _container_cpu_s(client) -> float:
     return total / 1e9
 
 
-def _measure(client, config, backend, name: str, completions: list, batches: int = BATCHES) -> tuple[float, float]:
-    """(median wall seconds per batch, container CPU seconds per 1,000 samples) after a warm-up batch."""
+def _measure(client, config, backend, name: str, completions: list, batches: int = BATCHES,
+             then: Optional[Callable] = None) -> tuple[float, float]:
+    """(median wall seconds per batch, container CPU seconds per 1,000 samples) after a warm-up batch. ``then``
+    is called with the sandbox's container after the batches, while it still runs."""
     samples = build_samples(["p"] * len(completions), completions, {})
     with RewardSandboxes(config, backend=backend) as sandboxes:
         client_ = sandboxes[name].client
@@ -86,7 +114,20 @@ def _measure(client, config, backend, name: str, completions: list, batches: int
             cpu = _container_cpu_s(client) - cpu0
             return statistics.median(walls), cpu / (batches * len(completions)) * 1000
 
-        return asyncio.run(run())
+        figures = asyncio.run(run())
+        if then is not None:
+            container, = client.containers.list(filters={"label": "rewardbox"}, ignore_removed=True)
+            then(container)
+        return figures
+
+
+def _isolation_floor(container) -> Optional[float]:
+    """CPU seconds per fresh isolated process (:data:`ISOLATION_FLOOR`) in a running sandbox container, or None
+    where its /tmp is not private by user namespaces (gVisor, or private_tmp off)."""
+    code, out = container.exec_run(["python3", "-c", ISOLATION_FLOOR], user="0")
+    if code != 0:
+        return None
+    return float(out.decode().strip().splitlines()[-1])
 
 
 def _fork_floor(client, image: str) -> tuple[float, float]:
@@ -134,10 +175,13 @@ def isolation_figures(client, directory: Path, base_image: str, make_config: Cal
 
     completions = [f"score = {i % 7} / 7" for i in range(1024)]
     per_sample = {}
+    floors: dict = {}
     for isolation in ("sample", "process"):
         progress(f"(h) exec reward, 1024 completions, isolation: {isolation}")
         config = config_for("run_it", isolation)
-        wall, cpu = _measure(client, config, make_backend(config, client), f"run_it_{isolation}", completions, 3)
+        then = (lambda c: floors.update(isolated=_isolation_floor(c))) if isolation == "sample" else None
+        wall, cpu = _measure(client, config, make_backend(config, client), f"run_it_{isolation}", completions, 3,
+                             then)
         per_sample[isolation] = cpu / 1000
         figures.append(figure(f"exec reward, 1024 completions, isolation: {isolation} (median of 3)",
                               f"{wall * 1000:.0f} ms, {cpu:.2f} CPU s/1k", "-", None))
@@ -154,6 +198,14 @@ def isolation_figures(client, directory: Path, base_image: str, make_config: Cal
                    "-", None),
             figure("exec reward, isolation: sample, CPU per sample / bare fork floor", f"{ratio:.1f}x", "<= 2x",
                    ratio <= 2.0),
+        ]
+    if floors.get("isolated"):
+        isolated = floors["isolated"]
+        figures += [
+            figure("isolation floor: template fork + own uid + private /tmp + exit, CPU per process (sandbox "
+                   "container)", f"{isolated * 1000:.2f} ms", "-", None),
+            figure("exec reward, isolation: sample, CPU per sample / isolation floor",
+                   f"{per_sample['sample'] / isolated:.1f}x", "-", None),
         ]
 
     rates = {}
