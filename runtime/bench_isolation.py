@@ -40,47 +40,51 @@ REWARDS = textwrap.dedent(
     """
 )
 
-FLOOR = textwrap.dedent(
+# CPU seconds per fork of this process (its children's included) with ``child`` run in each child before it exits.
+_PER_FORK = textwrap.dedent(
     """
-    import os, resource, sys
+    import os, resource
+    def per_fork(n, child):
+        def cpu():
+            me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+            return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+        start = cpu()
+        for _ in range(n):
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    child()
+                    code = 0
+                finally:
+                    os._exit(code)
+            _, status = os.waitpid(pid, 0)
+            assert status == 0, status
+        return (cpu() - start) / n
+    """
+)
+FLOOR = _PER_FORK + textwrap.dedent(
+    """
+    import sys
     if sys.argv[1:]:
         from rewardbox.sandbox import template, slot, worker, execution  # what a template holds
-    def cpu():
-        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-        return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
-    start = cpu()
-    for _ in range(500):
-        pid = os.fork()
-        if pid == 0:
-            os._exit(0)
-        os.waitpid(pid, 0)
-    print((cpu() - start) / 500)
+    print(per_fork(500, lambda: None))
     """
 )
 # What any fresh process per sample must do with the guarantees of isolation: sample (a uid of its own and a
 # private /tmp): fork from a process holding the template's modules, become a uid of its own, take a private /tmp
 # (userns mode: a user and mount namespace with a directory bound on /tmp), exit, be waited for. Run as root in a
 # running sandbox container (its capabilities and seccomp profile), with a uid no slot uses.
-ISOLATION_FLOOR = textwrap.dedent(
+ISOLATION_FLOOR = _PER_FORK + textwrap.dedent(
     """
-    import os, resource
     from rewardbox.sandbox import template, slot, worker, execution, private_tmp
     private_tmp.prewarm()
     UID = 64999
-    def cpu():
-        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-        return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
-    start = cpu()
-    for _ in range(300):
-        pid = os.fork()
-        if pid == 0:
-            os.setgroups([])
-            os.setresgid(UID, UID, UID)
-            private_tmp.become("userns", UID, "/usr/share")
-            os._exit(0)
-        _, status = os.waitpid(pid, 0)
-        assert status == 0, status
-    print((cpu() - start) / 300)
+    def isolated():
+        os.setgroups([])
+        os.setresgid(UID, UID, UID)
+        private_tmp.become("userns", UID, "/usr/share")
+    print(per_fork(300, isolated))
     """
 )
 BATCHES = 5
