@@ -435,7 +435,8 @@ def instructions(config: RewardboxConfig, namespace: Optional[str] = None,
         step += 1
     if owners:
         literals = " ".join(f'--from-literal={s}="${s}"' for s in owners)
-        lines += [f"{step}. the rewards' secrets (" + "; ".join(f"{s}: {', '.join(o)}" for s, o in owners.items()) + "):",
+        owned = "; ".join(f"{s}: {', '.join(o)}" for s, o in owners.items())
+        lines += [f"{step}. the rewards' secrets ({owned}):",
                   f"     kubectl create secret generic {REWARD_SECRETS}{ns} {literals}"]
     lines += [
         "",

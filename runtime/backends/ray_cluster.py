@@ -20,8 +20,9 @@ on a shared service.
   node's), or pulled from the registry ``docker.base_image`` names.
 - **Security.** Every run makes its own CA, a server certificate (for the name :data:`SERVER_NAME`; the trainer
   checks it whatever the node's address), a client certificate the actors require (mutual TLS: a peer of the
-  node's network without it is refused in the TLS handshake, before HTTP/2) and a token; they reach the actors as actor arguments, so through Ray's
-  object store: whoever can run code on the cluster can read them, as they can run code on its nodes anyway.
+  node's network without it is refused in the TLS handshake, before HTTP/2) and a token. They reach the actors as
+  actor arguments, so through Ray's object store: whoever can run code on the cluster can read them, as they can
+  run code on its nodes anyway.
 - **Faults.** A replica whose actor, container or node dies fails health; the trainer's client retries its
   unscored samples (:mod:`rewardbox.client`) and the backend replaces it: the old actor is killed and a new one is
   placed on a live node (Ray restarts nothing by itself: ``max_restarts`` is 0, so the replacement is ours and

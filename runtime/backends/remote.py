@@ -190,11 +190,11 @@ class RemoteBackend:
         instead of answering HTTP/2: what a service that requires (or rejects) client certificates does (TLS 1.3
         checks the client's certificate after the client's side of the handshake is done)."""
         host, _, port = endpoint.target.split("://", 1)[-1].lstrip("/").rpartition(":")
-        context = ssl.create_default_context(cadata=endpoint.root_certificates.decode())
-        context.set_alpn_protocols(["h2"])
-        if self.settings.tls_client_cert is not None:
-            context.load_cert_chain(self.settings.tls_client_cert, self.settings.tls_client_key)
         try:
+            context = ssl.create_default_context(cadata=endpoint.root_certificates.decode())
+            context.set_alpn_protocols(["h2"])
+            if self.settings.tls_client_cert is not None:
+                context.load_cert_chain(self.settings.tls_client_cert, self.settings.tls_client_key)
             with socket.create_connection((host.strip("[]"), int(port)), timeout=5) as raw, \
                     context.wrap_socket(raw, server_hostname=endpoint.server_name or host.strip("[]")) as tls:
                 tls.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
