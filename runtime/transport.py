@@ -74,12 +74,22 @@ class Endpoint:
         return options
 
 
-def tcp_answers(target: str, timeout_s: float = 2.0) -> bool:
-    """Whether something accepts TCP connections at a target's ``host:port`` (any ``scheme://`` before it, as in
-    ``dns:///name:port`` or ``ray://host:port``, is left out): to tell "nothing there" from "not our protocol"."""
+def host_and_port(target: str) -> tuple[str, int]:
+    """A target's host and port, any ``scheme://`` before them (as in ``dns:///name:port`` or ``ray://host:port``)
+    and an IPv6 address's brackets left out.
+
+    Raises:
+        ValueError: the port is not a number.
+    """
     host, _, port = target.split("://", 1)[-1].lstrip("/").rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def tcp_answers(target: str, timeout_s: float = 2.0) -> bool:
+    """Whether something accepts TCP connections at a target's host and port (:func:`host_and_port`): to tell
+    "nothing there" from "not our protocol"."""
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+        with socket.create_connection(host_and_port(target), timeout=timeout_s):
             return True
     except (OSError, ValueError):
         return False

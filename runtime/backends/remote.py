@@ -30,7 +30,7 @@ from pydantic import Field
 
 from ..errors import BackendError, ConfigError, TransportError
 from ..spec import RewardSpec
-from ..transport import Endpoint, GrpcTransport, Transport, tcp_answers
+from ..transport import Endpoint, GrpcTransport, Transport, host_and_port, tcp_answers
 from .base import BackendSettings, ExternalSandbox
 from ..registry import BackendType
 
@@ -189,14 +189,14 @@ class RemoteBackend:
         """Whether the service completes a TLS handshake with these settings and then closes the connection
         instead of answering HTTP/2: what a service that requires (or rejects) client certificates does (TLS 1.3
         checks the client's certificate after the client's side of the handshake is done)."""
-        host, _, port = endpoint.target.split("://", 1)[-1].lstrip("/").rpartition(":")
         try:
+            host, port = host_and_port(endpoint.target)
             context = ssl.create_default_context(cadata=endpoint.root_certificates.decode())
             context.set_alpn_protocols(["h2"])
             if self.settings.tls_client_cert is not None:
                 context.load_cert_chain(self.settings.tls_client_cert, self.settings.tls_client_key)
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=5) as raw, \
-                    context.wrap_socket(raw, server_hostname=endpoint.server_name or host.strip("[]")) as tls:
+            with socket.create_connection((host, port), timeout=5) as raw, \
+                    context.wrap_socket(raw, server_hostname=endpoint.server_name or host) as tls:
                 tls.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
                 return tls.recv(9) == b""
         except (OSError, ValueError):  # ssl.SSLError is an OSError: another TLS problem, explained above
