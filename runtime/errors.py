@@ -1,6 +1,8 @@
 """rewardbox's exception types: every failure a user sees is one of these, with a message that names the reward,
 the file or package, and what to do."""
 
+from pathlib import Path
+
 
 class RewardboxError(Exception):
     """Root of rewardbox's errors."""
@@ -34,3 +36,16 @@ class TransportError(RewardboxError):
 
 class ImagePushError(RewardboxError):
     """An image could not be pushed: the registry did not answer or refused it (the registry and image named)."""
+
+
+def read_named_file(path: Path, what: str) -> bytes:
+    """The bytes of a file a setting or option names (``what``: how the user wrote it, e.g. ``--tls-cert`` or
+    ``sandbox.remote.tls_ca``).
+
+    Raises:
+        ConfigError: it cannot be read, naming ``what``, the path and why.
+    """
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot read {path}: {e.strerror}") from None

@@ -46,7 +46,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from .errors import ConfigError, RewardLoadError
+from .errors import ConfigError, RewardLoadError, read_named_file
 from .session import RewardSandboxes
 from .spec import RewardboxConfig, RewardSpec
 from .wire import MAX_MESSAGE_BYTES, SERVICE_NAME, VERSION, Status
@@ -130,9 +130,10 @@ class ServiceSecurity:
                               "are checked in the TLS handshake)")
         certificate = private_key = client_ca = None
         if tls_cert is not None:
-            certificate, private_key = _read(tls_cert, "--tls-cert"), _read(tls_key, "--tls-key")
+            certificate = read_named_file(tls_cert, "--tls-cert")
+            private_key = read_named_file(tls_key, "--tls-key")
         if tls_client_ca is not None:
-            client_ca = _read(tls_client_ca, "--tls-client-ca")
+            client_ca = read_named_file(tls_client_ca, "--tls-client-ca")
             if b"-----BEGIN CERTIFICATE-----" not in client_ca:
                 raise ConfigError(f"--tls-client-ca {tls_client_ca}: not a PEM certificate (expected the CA that "
                                   "signs the trainers' client certificates, -----BEGIN CERTIFICATE-----)")
@@ -155,13 +156,6 @@ class ServiceSecurity:
             return grpc.ssl_server_credentials([(self.private_key, self.certificate)],
                                                root_certificates=self.client_ca, require_client_auth=True)
         return grpc.ssl_server_credentials([(self.private_key, self.certificate)])
-
-
-def _read(path: Path, option: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as e:
-        raise ConfigError(f"{option} {path}: cannot read it: {e.strerror}") from None
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):

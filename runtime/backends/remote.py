@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 import grpc
 from pydantic import Field
 
-from ..errors import BackendError, ConfigError, TransportError
+from ..errors import BackendError, ConfigError, TransportError, read_named_file
 from ..spec import RewardSpec
 from ..transport import Endpoint, GrpcTransport, Transport, host_and_port, tcp_answers
 from .base import BackendSettings, ExternalSandbox
@@ -91,7 +91,7 @@ class RemoteBackend:
             raise ConfigError("sandbox.remote.endpoints is empty: list the host:port of each `rewardbox serve`")
         ca = None
         if self.settings.tls_ca is not None:
-            ca = _read(self.settings.tls_ca, "tls_ca")
+            ca = read_named_file(self.settings.tls_ca, "sandbox.remote.tls_ca")
         client_cert = client_key = None
         if (self.settings.tls_client_cert is None) != (self.settings.tls_client_key is None):
             raise ConfigError("sandbox.remote.tls_client_cert and tls_client_key go together: give both (the client "
@@ -100,8 +100,8 @@ class RemoteBackend:
             if ca is None:
                 raise ConfigError("sandbox.remote.tls_client_cert needs TLS: set sandbox.remote.tls_ca to the CA "
                                   "that signed the services' certificates")
-            client_cert = _read(self.settings.tls_client_cert, "tls_client_cert")
-            client_key = _read(self.settings.tls_client_key, "tls_client_key")
+            client_cert = read_named_file(self.settings.tls_client_cert, "sandbox.remote.tls_client_cert")
+            client_key = read_named_file(self.settings.tls_client_key, "sandbox.remote.tls_client_key")
         token = None
         if self.settings.token_env:
             token = os.environ.get(self.settings.token_env)
@@ -213,13 +213,6 @@ class RemoteBackend:
 
     def close(self) -> None:
         pass
-
-
-def _read(path: Path, setting: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as e:
-        raise ConfigError(f"sandbox.remote.{setting}: cannot read {path}: {e.strerror}") from None
 
 
 BACKEND = BackendType(
