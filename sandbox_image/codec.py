@@ -1,6 +1,8 @@
 """What crosses from the server to a worker and back, per request.
 
-Request (server -> worker; trusted): JSON with the samples column by column, the timeout and the trainer state.
+Request (server -> worker; trusted): JSON with the samples column by column, the timeout, the trainer state, and
+whether each unit runs in a child of the slot process (``isolation: sample`` for a reward whose samples taint their
+processes: :mod:`.forked`).
 
 Result (worker -> server; **hostile**: model-written code ran in that process and may have written anything):
 a fixed binary layout, read with a size bound and validated field by field. Nothing in it is unpickled or
@@ -16,7 +18,9 @@ so the server can tell a request that never ran from one whose worker died, and 
 Streamed (``isolation: sample`` and ``process``): one answer per unit (a sample; for batch style, the whole call),
 written as soon as that unit is scored, each followed by a trailer: ``C`` (the process may go on) or a marker
 (:mod:`.reuse`: it must not). A marker may also come *before* a unit's answer: that unit's reward call did
-something that could leave state behind, and everything after its own answer is ignored.
+something that could leave state behind, and everything after its own answer is ignored. A slot process that runs
+a forked request's units in children (:mod:`.forked`) first writes ``FORKING``; the slot process itself writes
+every answer and trailer then, and may report a crash.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from ..wire import Outcome, Status
 from .records import ChunkResult, SampleBatch
 
 STARTED = b"S"
+FORKING = b"F"  # a forked request's first byte after STARTED: the slot process runs its units in children
 MAGIC = b"RBX1"
 _HEADER = struct.Struct("<4sIQI")
 _SAMPLE = struct.Struct("<BBdIf")
@@ -39,6 +44,9 @@ LOG_SLACK_BYTES = 4 * 1024  # the "[n more characters dropped]" note and multi-b
 # Statuses a worker may report itself; crash and unavailable are only ever concluded by the server or the host.
 _WORKER_STATUSES = {Status.OK.wire: Status.OK, Status.ERROR.wire: Status.ERROR, Status.TIMEOUT.wire: Status.TIMEOUT,
                     Status.INVALID.wire: Status.INVALID}
+# A forked request's answers (:mod:`.forked`) come from the slot process, which checked each child's answer (with
+# the statuses above) and concludes a crash itself when a child died without one.
+_FORKED_STATUSES = {**_WORKER_STATUSES, Status.CRASH.wire: Status.CRASH}
 
 
 class MalformedResult(ValueError):
@@ -47,9 +55,11 @@ class MalformedResult(ValueError):
 
 # -- requests ----------------------------------------------------------------------------------------------------
 
-def encode_request(batch: SampleBatch, timeout_s: float, trainer_state: Optional[dict]) -> bytes:
+def encode_request(batch: SampleBatch, timeout_s: float, trainer_state: Optional[dict], fork: bool = False) -> bytes:
+    """``fork``: run each unit in a child of the slot process (:mod:`.forked`)."""
     return json.dumps({
         "timeout_s": timeout_s,
+        "fork": fork,
         "trainer_state": trainer_state,
         "prompts": batch.prompts,
         "completions": batch.completions,
@@ -60,12 +70,13 @@ def encode_request(batch: SampleBatch, timeout_s: float, trainer_state: Optional
     }, separators=(",", ":")).encode()
 
 
-def decode_request(data: bytes) -> tuple[SampleBatch, float, Optional[dict]]:
+def decode_request(data: bytes) -> tuple[SampleBatch, float, Optional[dict], bool]:
+    """(samples, timeout, trainer state, whether to fork each unit)."""
     request = json.loads(data)
     batch = SampleBatch(request["prompts"], request["completions"], request["columns_json"],
                         request["prompt_messages_json"], request["completion_messages_json"],
                         request["completion_ids"])
-    return batch, float(request["timeout_s"]), request["trainer_state"]
+    return batch, float(request["timeout_s"]), request["trainer_state"], bool(request.get("fork"))
 
 
 # -- results -----------------------------------------------------------------------------------------------------
@@ -152,10 +163,10 @@ def _seconds(value: float) -> Optional[float]:
 
 
 def decode_clean_units(data: bytearray, start: int, samples: int, units: int, max_log_bytes: int,
-                       clean: int) -> tuple[list, int]:
+                       clean: int, forked: bool = False) -> tuple[list, int]:
     """Parses, from ``start``, up to ``units`` consecutive streamed answers of ``samples`` samples that have all
     arrived, each followed by the trailer byte ``clean``; stops before anything else (a marker, a partial answer).
-    Returns (their ChunkResults, where it stopped).
+    Returns (their ChunkResults, where it stopped). ``forked``: see :func:`decode_result`.
 
     Raises:
         MalformedResult: an answer that arrived whole does not parse.
@@ -178,13 +189,14 @@ def decode_clean_units(data: bytearray, start: int, samples: int, units: int, ma
         length = answer_length(data, samples, start)
         if length is None or start + length >= end or data[start + length] != clean:
             break
-        results.append(decode_result(bytes(data[start:start + length]), samples, max_log_bytes))
+        results.append(decode_result(bytes(data[start:start + length]), samples, max_log_bytes, forked))
         start += length + 1
     return results, start
 
 
-def decode_result(data: bytes, samples: int, max_log_bytes: int) -> ChunkResult:
-    """Parses and validates a worker's answer for ``samples`` samples.
+def decode_result(data: bytes, samples: int, max_log_bytes: int, forked: bool = False) -> ChunkResult:
+    """Parses and validates a worker's answer for ``samples`` samples (``forked``: of a forked request, which may
+    report a crash: see _FORKED_STATUSES).
 
     Raises:
         MalformedResult: anything at all is off.
@@ -205,7 +217,7 @@ def decode_result(data: bytes, samples: int, max_log_bytes: int) -> ChunkResult:
         code, has_value, value, error_length, seconds = _SAMPLE.unpack_from(data, offset)
         times.append(_seconds(seconds))
         offset += _SAMPLE.size
-        status = _WORKER_STATUSES.get(code)
+        status = (_FORKED_STATUSES if forked else _WORKER_STATUSES).get(code)
         if status is None or has_value not in (0, 1) or error_length > MAX_ERROR_BYTES:
             raise MalformedResult(f"the worker's answer has an invalid field (status {code}, has_value "
                                   f"{has_value}, error length {error_length})")

@@ -132,6 +132,19 @@ def attach(fd: Optional[int], why_not: str = "") -> None:
     _channel_pid, _unavailable = os.getpid(), why_not
 
 
+def attach_child(fd: Optional[int]) -> None:
+    """In a child a slot process forked for one sample (:mod:`.forked`): ``fd`` is the child's own socket to the
+    runner (None: its parent could not run programs either, or the runner is gone). Never the parent's channel."""
+    if _channel is not None:
+        _channel.sock.close()
+    attach(fd, "" if fd is not None else _unavailable or "the program runner is gone (see the sandbox's log)")
+
+
+def attached_socket() -> Optional[socket.socket]:
+    """The socket to the runner the sandbox attached to this process (None: none)."""
+    return _channel.sock if _channel is not None and _channel.process is None else None
+
+
 def _connect() -> _Channel:
     """This process's channel; outside a sandbox, a helper process started on first use (and after a fork)."""
     global _channel, _channel_pid

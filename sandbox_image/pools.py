@@ -57,6 +57,8 @@ def _hung_or_crashed(done: Optional[ChunkResult], failed: Optional[Outcome]):
 
 
 MAX_CHUNK = 4096  # samples in one streamed request
+# isolation: sample: after a sample tainted its process, this many samples of the reward run forked (:mod:`.forked`)
+FORKED_SAMPLES = 256
 
 
 class _Ended(Exception):
@@ -133,6 +135,9 @@ class FunctionPool:
         self._live: set = set()  # requests sent and not yet answered
         self._chunk_cap = MAX_CHUNK  # isolation: sample: samples per request; 1 after a taint, doubled after none
         self._taints_logged: set = set()
+        # isolation: sample: samples still to be forked (:mod:`.forked`) since one last tainted its process
+        self._fork_left = 0
+        self._can_fork = True  # until a slot process did not fork a forked request
         self._loaded: Optional[asyncio.Future] = None
         self._gate: Optional[asyncio.Semaphore] = None
         self._runners = 1  # requests running at once
@@ -262,8 +267,10 @@ class FunctionPool:
                     settled += 1
                     replaced += 1
                 pending.extendleft(reversed(taken[settled:]))
-                self._chunk_cap = 1 if streamed.retired or self.config.isolation == "process" \
-                    else min(MAX_CHUNK, self._chunk_cap * 2)
+                # A retired process sends back what it did not score: one sample per request until none retires,
+                # but while samples run forked (none retires then).
+                self._chunk_cap = 1 if (streamed.retired and self._fork_left <= 0) or \
+                    self.config.isolation == "process" else min(MAX_CHUNK, self._chunk_cap * 2)
 
         while pending:
             idle = min(self._runners, len(pending))
@@ -405,7 +412,8 @@ class FunctionPool:
         loop = asyncio.get_running_loop()
         streamed = _Streamed()
         tainted = False
-        streamed.failed = await self._begin(ours, request, batch, timeout_s, state)
+        forked = self._forks(len(batch))
+        streamed.failed = await self._begin(ours, request, batch, timeout_s, state, forked)
         if streamed.failed is not None:
             return streamed
         units = len(batch) if units is None else units
@@ -413,12 +421,19 @@ class FunctionPool:
         reader = _Reader(ours, loop)
         unit_s = self._hard_timeout(per_unit, timeout_s)
         try:
+            if forked:  # a slot process that forks says so first; one that cannot (gVisor, local) never will
+                await reader.fill(1, loop.time() + unit_s)
+                forked = reader.peek() == codec.FORKING
+                if forked:
+                    reader.take(1)
+                else:
+                    self._fork_left, self._can_fork = 0, False
             k = 0
             while k < units:
                 deadline_s = loop.time() + unit_s  # each unit's answer and trailer, from the end of the last one
                 await reader.fill(1, deadline_s)
                 clean, reader.pos = codec.decode_clean_units(reader.buffer, reader.pos, per_unit, units - k,
-                                                             self.config.max_log_bytes, reuse.CLEAN[0])
+                                                             self.config.max_log_bytes, reuse.CLEAN[0], forked)
                 if clean:  # what has arrived of the clean units, at once
                     streamed.answered += clean
                     k += len(clean)
@@ -429,7 +444,8 @@ class FunctionPool:
                     if index != k:
                         raise codec.MalformedResult(f"a marker names sample {index} while sample {k} runs")
                     self._note_taint(reason)
-                streamed.answered.append(await self._frame(reader, per_unit, deadline_s))
+                    self._fork_left = FORKED_SAMPLES
+                streamed.answered.append(await self._frame(reader, per_unit, deadline_s, forked))
                 if tainted:  # what follows its own answer is not ours to read
                     streamed.retired = True
                     return streamed
@@ -456,7 +472,7 @@ class FunctionPool:
             streamed.failed, streamed.unattributed = None, True
         return streamed
 
-    async def _frame(self, reader: "_Reader", samples: int, deadline_s: float) -> ChunkResult:
+    async def _frame(self, reader: "_Reader", samples: int, deadline_s: float, forked: bool = False) -> ChunkResult:
         """One unit's answer, by ``deadline_s`` (the loop's clock), piece by piece, each length checked before it is
         waited for (clean units that arrived whole are parsed at once by codec.decode_clean_units)."""
         header = await reader.exactly(codec.HEADER_SIZE, deadline_s)
@@ -466,7 +482,7 @@ class FunctionPool:
             fixed = await reader.exactly(codec.SAMPLE_SIZE, deadline_s)
             parts += [fixed, await reader.exactly(codec.sample_error_length(fixed), deadline_s)]
         parts.append(await reader.exactly(log_length, deadline_s))
-        return codec.decode_result(b"".join(parts), samples, self.config.max_log_bytes)
+        return codec.decode_result(b"".join(parts), samples, self.config.max_log_bytes, forked)
 
     @staticmethod
     async def _marker(reader: "_Reader", deadline_s: float) -> tuple[int, str]:
@@ -500,16 +516,26 @@ class FunctionPool:
         except codec.MalformedResult as e:
             return None, Outcome.failed(Status.INVALID, f"malformed answer from the worker: {e}")
 
+    def _forks(self, samples: int) -> bool:
+        """Whether a streamed request of ``samples`` runs each unit in a child of the slot process
+        (:mod:`.forked`): for FORKED_SAMPLES samples after one tainted its process (a sync reward's, isolation:
+        sample). Then a request runs in the process itself again, so a reward that tainted only once (an import on
+        its first call) is soon served at worker speed again."""
+        if self._fork_left <= 0 or not self._can_fork or self.config.isolation != "sample" or self.info.is_async:
+            return False
+        self._fork_left -= samples
+        return True
+
     async def _begin(self, ours: socket.socket, request: int, batch: SampleBatch, timeout_s: float,
-                     state: Optional[dict]) -> Optional[Outcome]:
-        """Writes the request and waits for the worker's start byte. Returns None once it started, else the crash
-        the samples share (its process died first).
+                     state: Optional[dict], fork: bool = False) -> Optional[Outcome]:
+        """Writes the request (``fork``: its units each in a child of the slot process) and waits for the worker's
+        start byte. Returns None once it started, else the crash the samples share (its process died first).
 
         Raises:
             PoolUnavailable: the template is gone.
         """
         ours.setblocking(False)
-        await asyncio.get_running_loop().sock_sendall(ours, codec.encode_request(batch, timeout_s, state))
+        await asyncio.get_running_loop().sock_sendall(ours, codec.encode_request(batch, timeout_s, state, fork))
         ours.shutdown(socket.SHUT_WR)
         # Waiting for a free slot has no deadline of its own: the RPC's deadline covers it.
         if await self._read_start(ours) is not None:

@@ -75,6 +75,16 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
     _LIBC.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
+def describe_status(status: int) -> str:
+    """A wait status in words: ``killed by SIGKILL``, ``exit code 70``."""
+    if os.WIFSIGNALED(status):
+        try:
+            return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+        except ValueError:
+            return f"killed by signal {os.WTERMSIG(status)}"
+    return f"exit code {os.WEXITSTATUS(status)}"
+
+
 def become_subreaper() -> None:
     """Makes this process the one that inherits its orphaned descendants (not their init)."""
     _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)

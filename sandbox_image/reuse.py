@@ -187,6 +187,11 @@ def begin(fd: int, index: int) -> None:
     _WATCH.fd, _WATCH.index = fd, index
 
 
+def answer_to(fd: int) -> None:
+    """Queued answers go to the request on socket ``fd``, while no sample runs in this process (:mod:`.forked`)."""
+    _WATCH.fd, _WATCH.index = fd, -1
+
+
 def end() -> Optional[str]:
     """The running sample ended. Returns what tainted the process (None: nothing did)."""
     _WATCH.index = -1

@@ -17,6 +17,9 @@ from . import languages
 
 _LENGTH = struct.Struct("<Q")
 MAX_REQUEST = 256 * 1024 * 1024
+# A slot process's frame that hands the runner a fresh socket for one child of its (:mod:`.forked`); the socket
+# follows as one byte with the descriptor attached.
+CHANNEL = "channel"
 MAX_RUNS = 1000
 MAX_FILES = 1000
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from . import languages, private_tmp, processes, seccomp
-from .run_requests import MAX_REQUEST, COMPARISONS, Request, RequestError, parse, read_frame, write_frame
+from .run_requests import CHANNEL, MAX_REQUEST, COMPARISONS, Request, RequestError, parse, read_frame, write_frame
 
 # A monitor holds what a sample sends it in memory the sample does not pay for: at most this much (or half the
 # sample's own address space, where it has a limit), so a sample cannot make it hold more than the sample could.
@@ -503,6 +503,12 @@ class Monitor:
     def loop(self) -> int:
         """Serves the slot socket until it closes. Returns the exit code."""
         signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that a program's exit wakes execute()
+        return self._serve(nested=False)
+
+    def _serve(self, nested: bool) -> int:
+        """Serves ``self.sock`` until it closes. A slot process's :data:`.run_requests.CHANNEL` frame (not a
+        child's: ``nested``) hands over a child's own socket, which is served first, until it closes: a child
+        killed in the middle of a request leaves its half frame on a socket nobody reads again."""
         while True:
             try:
                 message = read_frame(self.sock, self.frame_limit)
@@ -513,6 +519,9 @@ class Monitor:
                 return CLOSED
             if message is None:
                 return CLOSED
+            if message.get("op") == CHANNEL and not nested:
+                self._serve_child()
+                continue
             try:
                 reply = self.serve(parse(message))
             except RequestError as e:
@@ -523,6 +532,23 @@ class Monitor:
                 write_frame(self.sock, reply)
             except OSError:
                 return CLOSED
+
+    def _serve_child(self) -> None:
+        try:
+            _, fds, _, _ = socket.recv_fds(self.sock, 1, 1)
+        except OSError:
+            return
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            return
+        slot_socket, self.sock = self.sock, socket.socket(fileno=fds[0])
+        try:
+            self.sock.setblocking(True)
+            self._serve(nested=True)
+        finally:
+            self.sock.close()
+            self.sock = slot_socket
 
 
 def _start_monitor(slot: RunSlot, sock: socket.socket, keep: tuple = ()) -> int:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..wire import Outcome, Status, trainer_state_from_dict
-from . import codec, execution, private_tmp, processes, reuse, seccomp, worker
+from . import codec, execution, forked, private_tmp, processes, reuse, seccomp, worker
 from .channel import ChannelClosed, optional_fd, recv
 from .processes import die_with_parent, empty, kill_uid, remove_ipc
 
@@ -172,7 +172,7 @@ def _handle(loaded: worker.Loaded, fd: int) -> None:
     sock = socket.socket(fileno=fd)
     sock.setblocking(True)
     sock.sendall(codec.STARTED)
-    batch, timeout_s, state = codec.decode_request(_read_request(sock))
+    batch, timeout_s, state, _ = codec.decode_request(_read_request(sock))
     try:
         trainer_state = trainer_state_from_dict(state)
         if loaded.info.is_async:
@@ -259,14 +259,52 @@ async def _score_units(loaded: worker.Loaded, sock: socket.socket, batch, timeou
         return False  # the server gave up on this request (its deadline passed)
 
 
-def _handle_stream(loaded: worker.Loaded, fd: int, reusable: bool) -> bool:
-    """isolation: sample (``reusable``) and process: a streamed answer, unit by unit (:mod:`.codec`). Returns
-    whether this process may serve another request."""
+def _fork_units(loaded: worker.Loaded, sock: socket.socket, batch, timeout_s: float, state: Optional[dict],
+                forker: forked.Forker) -> bool:
+    """isolation: sample, forked (:mod:`.forked`): each unit of a request in a child; this process runs no reward
+    code. Answers are queued and sent as in :func:`_score_units`. Returns whether this process may serve another
+    request."""
+    try:
+        trainer_state = trainer_state_from_dict(state)
+    except BaseException:  # noqa: BLE001
+        trainer_state = None
+    max_log_bytes = loaded.config.max_log_bytes
+    flushed = time.monotonic()
+    reuse.answer_to(sock.fileno())
+    try:
+        sock.sendall(codec.FORKING)
+        for k, unit in enumerate(_units(loaded, batch)):
+            def score(unit=unit) -> bytes:  # in the child
+                started = time.perf_counter()
+                outcomes, logs, dropped = _run_coroutine(_score_unit(loaded, batch, unit, timeout_s, trainer_state))
+                return codec.encode_result(outcomes, logs, dropped, max_log_bytes, time.perf_counter() - started)
+
+            answer, retire = forker.run(score, 1 if isinstance(unit, int) else len(unit), timeout_s, max_log_bytes,
+                                        sock.fileno(), execution.attach_child)
+            reuse.queue(k, answer, reuse.marker(k, retire) if retire else reuse.CLEAN)
+            if retire:
+                reuse.flush()
+                return False
+            if time.monotonic() - flushed >= FLUSH_S:
+                if reuse.flush() is not None:
+                    return False
+                flushed = time.monotonic()
+        return reuse.flush() is None
+    except OSError:
+        return False  # the server gave up on this request (its deadline passed)
+
+
+def _handle_stream(loaded: worker.Loaded, fd: int, reusable: bool, forker: Optional[forked.Forker] = None) -> bool:
+    """isolation: sample (``reusable``) and process: a streamed answer, unit by unit (:mod:`.codec`); with a
+    ``forker``, the server may ask for each unit to run in a child (a sync reward's). Returns whether this process
+    may serve another request."""
     sock = socket.socket(fileno=fd)
     sock.setblocking(True)
     try:
         sock.sendall(codec.STARTED)
-        batch, timeout_s, state = codec.decode_request(_read_request(sock))
+        batch, timeout_s, state, fork = codec.decode_request(_read_request(sock))
+        if fork and forker is not None and not loaded.info.is_async:
+            return _fork_units(loaded, sock, batch, timeout_s, state, forker)
         units = _score_units(loaded, sock, batch, timeout_s, state, reusable)
         if not loaded.info.is_async:
             return _run_coroutine(units)
@@ -299,7 +337,7 @@ async def _handle_async(loaded: worker.Loaded, fd: int) -> None:
         if not data:
             break
         chunks.append(data)
-    batch, timeout_s, state = codec.decode_request(b"".join(chunks))
+    batch, timeout_s, state, _ = codec.decode_request(b"".join(chunks))
     try:
         trainer_state = trainer_state_from_dict(state)
         result = await worker.score_async(loaded, batch, timeout_s, trainer_state)
@@ -336,10 +374,12 @@ async def _serve_async(loaded: worker.Loaded, control: socket.socket) -> None:
     await closed
 
 
-def serve(loaded: worker.Loaded, control: socket.socket, mode: str, mark: int) -> None:
+def serve(loaded: worker.Loaded, control: socket.socket, mode: str, mark: int,
+          forker: Optional[forked.Forker] = None) -> None:
     """Serves request sockets sent over ``control`` (``mode`` is the isolation level): ``worker``, until the
-    template goes away; ``sample``, until a request leaves this process unfit for another (:mod:`.reuse`);
-    ``process``, one request."""
+    template goes away; ``sample``, until a request leaves this process unfit for another (:mod:`.reuse`; a
+    ``forker`` runs the units of requests the server marks in children: :mod:`.forked`); ``process``, one
+    request."""
     control.sendall(READY + _MARK.pack(mark))
     if mode == "worker" and loaded.info.is_async:
         import asyncio  # preloaded by the template of an async function (see worker)
@@ -361,7 +401,7 @@ def serve(loaded: worker.Loaded, control: socket.socket, mode: str, mark: int) -
             continue
         if mode == "process":
             control.close()  # reward code never holds a channel to the template
-        if not _handle_stream(loaded, fd, mode == "sample") or mode == "process":
+        if not _handle_stream(loaded, fd, mode == "sample", forker) or mode == "process":
             return
 
 
@@ -382,7 +422,12 @@ def run(loaded: worker.Loaded, slot: SlotSpec, control: socket.socket, mode: str
             except OSError:
                 pass
             return
-        serve(loaded, control, mode, mark)
+        forker = None
+        # kill(-1) must reach only the slot's uid (not the local backend's), and all of it at once (not gVisor)
+        if mode == "sample" and slot.uid is not None and slot.atomic_kill:
+            forker = forked.Forker(close=(control.fileno(),), runner=execution.attached_socket(),
+                                   scratch=private_tmp.home(slot.private_tmp, slot.directory))
+        serve(loaded, control, mode, mark, forker)
     except BaseException:  # noqa: BLE001 - reward code ran in this process: nothing it says is reported
         code = 70
     finally:

@@ -221,7 +221,7 @@ class Template:
             except OSError:
                 pass
         for request in sorted(s.requests):
-            send(self.server, {"op": "exited", "req": request, "status": _describe(status)})
+            send(self.server, {"op": "exited", "req": request, "status": processes.describe_status(status)})
         served = bool(s.requests) or s.ready
         if s.control is not None:
             if s.control.fileno() in self.selector.get_map():
@@ -232,7 +232,7 @@ class Template:
             s.setup_failures += 1
             if s.setup_failures >= MAX_SETUP_FAILURES:
                 s.broken = True
-                why = s.last_failure or f"its process died before it was ready ({_describe(status)})"
+                why = s.last_failure or f"its process died before it was ready ({processes.describe_status(status)})"
                 send(self.server, {"op": "slot_failed", "slot": s.spec.index, "reason": why})
                 return
         s.respawn_at = time.monotonic() + (RESPAWN_BACKOFF_S * s.setup_failures if s.setup_failures else 0)
@@ -311,15 +311,6 @@ class Template:
             s.requests.add(request)
             if self.mode == "process":
                 s.ready = False
-
-
-def _describe(status: int) -> str:
-    if os.WIFSIGNALED(status):
-        try:
-            return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
-        except ValueError:
-            return f"killed by signal {os.WTERMSIG(status)}"
-    return f"exit code {os.WEXITSTATUS(status)}"
 
 
 def run(config: WorkerConfig, slot_specs: list[slots.SlotSpec], server: socket.socket) -> None:

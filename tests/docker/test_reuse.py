@@ -250,3 +250,48 @@ def test_a_sample_cannot_fill_the_kernel_with_empty_files(sandboxes):
     report, _ = _innocents_after(sandboxes, [filler] * 3, toucher, 0.25, 3)
     if limited:  # stopped by the slot tmpfs's nr_inodes
         assert all(v is not None and 1000 < v < 10_000 for v in report.values[:3]), report.values[:3]
+
+
+def test_a_reward_whose_samples_taint_runs_each_in_a_child_of_a_slot_process_that_stays(sandboxes):
+    # Under runc, once a sample tainted its process, the reward's samples run forked (sandbox_image/forked.py): each
+    # in a fresh child of a slot process that runs no reward code itself and serves the next sample too.
+    lineage = "import os\nprint(f'lineage {os.getppid()} {os.getpid()}')\nscore = 0.5"
+    score(sandboxes, "run", [lineage] * 8)  # the first samples taint their processes
+    report = score(sandboxes, "run", [lineage] * 96)
+    assert report.values == [0.5] * 96 and report.statuses == [Status.OK] * 96, report.errors
+    pairs = [tuple(map(int, line.split()[1:])) for line in report.logs.splitlines() if line.startswith("lineage ")]
+    assert len(pairs) == 96 and len({child for _, child in pairs}) == 96, pairs  # a fresh process each
+    parents = {parent for parent, _ in pairs}
+    if sandboxes.runtime == "runc":
+        assert len(parents) <= 24, parents  # a few slot processes (and the samples that probe for reuse) served all
+    else:  # gVisor: a tainted process retires; each sample is a fresh child of the template
+        assert len(parents) <= 2, parents
+
+
+def test_half_a_frame_left_to_the_program_runner_reaches_no_later_sample(sandboxes):
+    # A sample writes the start of a request to its socket to the runner and ends: the socket is its own (a fresh
+    # process's, or a forked child's), so later samples of the slot still run programs.
+    half = textwrap.dedent("""
+        import struct
+        from rewardbox.sandbox import execution
+        execution._connect().sock.sendall(struct.pack("<Q", 1 << 20) + b'{"language": "pyth')
+        score = 1.0
+    """)
+    runs = textwrap.dedent("""
+        from rewardbox.sandbox import run
+        result = run("print(6 * 7)")
+        score = 0.75 if result.stdout.strip() == "42" else 0.0
+    """)
+    report, _ = _innocents_after(sandboxes, [half] * 4, runs, 0.75, 8)
+    assert report.values[:4] == [1.0] * 4, report.errors[:4]
+
+
+def test_a_sample_that_kills_the_process_that_forked_it_fails_alone(sandboxes):
+    # A forked sample shares its uid with the slot process that forked it, so it can signal it: killing it ends the
+    # slot process while this sample's own unit runs, and only this sample fails (the server blames it). SIGSTOP is
+    # not tested here: it stalls the batch until the call's deadline (sandbox_image/forked.py says so; open in #18).
+    attacker = "import os, signal\ntry:\n    os.kill(os.getppid(), signal.SIGKILL)\nexcept OSError:\n    pass\n" \
+               "score = 1.0"
+    report, elapsed = _innocents_after(sandboxes, [attacker] * 2, "score = 0.5", 0.5, 8)
+    assert all(s in {Status.OK, Status.CRASH} for s in report.statuses[:2]), report.errors[:2]
+    assert elapsed < 2 * TIMEOUT_S + 10, elapsed

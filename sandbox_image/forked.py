@@ -1,0 +1,199 @@
+"""``isolation: sample`` for a reward whose samples taint their process: each sample in a child of the slot process.
+
+A reward that ``exec``s each completion (or compiles, imports, starts processes, ...) leaves every process it runs in
+unfit for another sample (:mod:`.reuse`). Retiring the slot process after each such sample means forking and
+preparing a new one from the template for the next: a uid change, a user and a mount namespace, seccomp, limits,
+and the template's own copy-on-write faults after every fork; most of what such a sample costs. Instead, once a
+reward's samples taint their processes, the server asks for its requests to be *forked* (:mod:`.codec`): the slot
+process runs each unit in a child of its own, which inherits all the slot process was given (its uid, its private
+``/tmp``, the seccomp filter, the limits, the niceness) and nothing any sample did, as the slot process runs no
+reward code on data while it forks.
+
+Before the next child starts, everything a unit left is gone:
+
+- every process of the slot's uid is killed and reaped. The slot process is the subreaper of all it forks, so every
+  process of its uid is its descendant; Linux's ``kill(-1)`` reaches them all at once (no fork can pass it), and
+  once ``waitpid`` finds no child left, none is left anywhere (no ``/proc`` scan is needed). gVisor's ``kill(-1)``
+  is not atomic, and there an orphan need not come back to its subreaper: under gVisor a sample that taints its
+  process still retires it, and the template's next process for the slot cleans up (:func:`.slot.prepare`);
+- its ``/tmp`` (the slot's scratch tmpfs) is emptied;
+- the child's socket to the program runner is its own (:func:`runner_socket`), so a child killed halfway through a
+  request leaves no half frame for the next.
+
+The child answers through a pipe: a length, then one answer in the format the server reads (:mod:`.codec`). The slot
+process reads at most the length one answer may have, by the unit's deadline, and checks it as the server would; an
+answer that breaks the format, or none, becomes the unit's failure, written by this trusted code.
+
+What a child can still do to the slot process: signal it (they share a uid), only while its own unit runs (its
+descendants are gone before the next one starts). Killing it is that unit's crash, as for a fresh process. Stopping
+it (SIGSTOP) is a known gap: the unit is still the one blamed, but the batch it is in waits until its call's
+deadline (about 87 s for a 5 s timeout, measured), not the unit's. The fix is a real uid of the slot process's own
+(as :data:`.processes.REAPER_UID_BIT` gives the cleanup), which needs the user namespace to map it.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from ..wire import Outcome, Status
+from . import codec, processes, run_requests
+
+_LENGTH = struct.Struct("<I")
+# Past the reward's own timeout (which the child enforces itself and answers as ``timeout``), the slot process kills
+# the child: less than the server's HARD_TIMEOUT_MARGIN_S, so the server still gets this unit's answer in time.
+KILL_MARGIN_S = 0.5
+
+
+@dataclass
+class Forker:
+    """What a slot process needs to run units in children: descriptors no child may hold (the template's socket),
+    its own socket to the runner, and its ``/tmp``."""
+
+    close: tuple
+    runner: Optional[socket.socket]
+    scratch: str
+    reaper: bool = False
+
+    def run(self, score: Callable[[], bytes], samples: int, timeout_s: float, max_log_bytes: int,
+            request_fd: int, attach: Callable[[Optional[int]], None]) -> tuple[bytes, Optional[str]]:
+        """:func:`run_unit` for this slot process; the request's socket ``request_fd`` is closed in the child."""
+        if not self.reaper:
+            processes.become_subreaper()  # what its children leave becomes its own child: see _kill_and_reap
+            self.reaper = True
+        return run_unit(score, samples, timeout_s, max_log_bytes, (request_fd, *self.close), self.runner, attach,
+                        self.scratch)
+
+
+def runner_socket(runner: Optional[socket.socket]) -> Optional[socket.socket]:
+    """A fresh socket to the program runner for one child, sent to the runner over the slot process's own (the
+    runner serves it before anything else this slot sends: :meth:`.runner.Monitor.loop`). None without a runner."""
+    if runner is None:
+        return None
+    ours, theirs = socket.socketpair()
+    try:
+        run_requests.write_frame(runner, {"op": run_requests.CHANNEL})
+        socket.send_fds(runner, [b"c"], [theirs.fileno()])
+    except OSError:  # the runner is gone: the child's run() fails clearly
+        ours.close()
+        return None
+    finally:
+        theirs.close()
+    return ours
+
+
+def run_unit(score: Callable[[], bytes], samples: int, timeout_s: float, max_log_bytes: int, close: tuple,
+             runner: Optional[socket.socket], attach: Callable[[Optional[int]], None],
+             scratch: str) -> tuple[bytes, Optional[str]]:
+    """Runs ``score`` (which returns one unit's encoded answer) in a child and cleans up after it. Returns (its
+    answer, checked, or the unit's failure; why the slot process must retire, or None). ``close``: descriptors the
+    child must not hold (the request's socket, the template's); ``attach(fd)`` gives the child its runner socket."""
+    limit = codec.result_limit(samples, max_log_bytes)
+    child_runner = runner_socket(runner)
+    read_end, write_end = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError as e:
+        for fd in (read_end, write_end):
+            os.close(fd)
+        if child_runner is not None:
+            child_runner.close()
+        return _failure(samples, max_log_bytes, Status.ERROR, f"rewardbox could not start this sample's process: {e}"), \
+            None
+    if pid == 0:
+        code = 70
+        try:
+            os.close(read_end)
+            for fd in close:
+                os.close(fd)
+            attach(None if child_runner is None else child_runner.detach())
+            data = score()
+            payload = _LENGTH.pack(len(data)) + data
+            while payload:
+                payload = payload[os.write(write_end, payload):]
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    if child_runner is not None:
+        child_runner.close()
+    try:
+        data, why = _read_answer(read_end, limit, time.monotonic() + timeout_s + KILL_MARGIN_S)
+    finally:
+        os.close(read_end)
+    status, retire = None, None
+    try:
+        status = _kill_and_reap(pid)
+        processes.empty(scratch)
+    except OSError as e:
+        retire = f"what a sample left could not be removed: {e}"
+    if data is None:
+        if why == LATE:
+            return _failure(samples, max_log_bytes, Status.TIMEOUT,
+                            f"exceeded timeout_s={timeout_s:g}; the worker was killed"), retire
+        if why.startswith(MALFORMED):
+            return _failure(samples, max_log_bytes, Status.INVALID, why), retire
+        how = [processes.describe_status(status)] if status is not None else []
+        return _failure(samples, max_log_bytes, Status.CRASH,
+                        f"worker process died ({'; '.join(how + ([why] if why else []))})" if how or why else
+                        "worker process died"), retire
+    try:
+        codec.decode_result(data, samples, max_log_bytes)
+    except codec.MalformedResult as e:
+        return _failure(samples, max_log_bytes, Status.INVALID, f"{MALFORMED}{e}"), retire
+    return data, retire
+
+
+def _read_answer(fd: int, limit: int, deadline: float) -> tuple[Optional[bytes], str]:
+    """(the child's answer, or None and why: ``late`` when the deadline passed first). The answer is its declared
+    length of bytes after the length itself; a length over ``limit`` is no answer."""
+    data = b""
+    wanted = _LENGTH.size
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    while len(data) < wanted:
+        left = deadline - time.monotonic()
+        if left <= 0 or not poller.poll(left * 1000):
+            return None, LATE
+        chunk = os.read(fd, min(wanted - len(data), 1 << 16))
+        if not chunk:
+            return None, f"its answer ended after {len(data)} of {wanted} bytes" if data else ""
+        data += chunk
+        if wanted == _LENGTH.size and len(data) == wanted:
+            (length,) = _LENGTH.unpack(data)
+            if length > limit:
+                return None, f"{MALFORMED}the answer declared {length} bytes, over the limit of {limit}"
+            wanted += length
+    return data[_LENGTH.size:], ""
+
+
+LATE = "late"
+MALFORMED = "malformed answer from the worker: "
+
+
+def _kill_and_reap(pid: int) -> Optional[int]:
+    """Kills every process of this slot process's uid (all its descendants) and reaps them. Returns the wait status
+    of ``pid``. One kill(-1) reaches them all (Linux: no fork can pass it), and as their subreaper this process waits
+    until it has no child left, which proves none is left."""
+    status = None
+    try:
+        os.kill(-1, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    while True:
+        try:
+            reaped, wait_status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            return status  # no child is left
+        if reaped == pid:
+            status = wait_status
+
+
+def _failure(samples: int, max_log_bytes: int, status: Status, error: str) -> bytes:
+    return codec.encode_result([Outcome.failed(status, error)] * samples, "", 0, max_log_bytes)
