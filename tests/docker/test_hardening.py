@@ -106,9 +106,10 @@ def test_a_fork_bomb_stops_at_its_samples_process_limit_and_the_next_sample_can_
     assert report.statuses == ["ok"]
     # RLIMIT_NPROC of the sample's own uid stops it well before the container's pids limit
     assert 0 < report.values[0] < 96 - 2 * 2
-    # what it forked died with its slot: the next sample (a fresh process) can fork as many again
+    # what it forked died with its slot: the next sample (a fresh process, or a child of the slot process once the
+    # reward's samples run forked, whose parent counts against the uid's limit too) can fork as many again
     again = score(s, "fork_bomb", ["x"])
-    assert again.statuses == ["ok"] and again.values[0] == report.values[0]
+    assert again.statuses == ["ok"] and report.values[0] - 1 <= again.values[0] <= report.values[0]
 
 
 def test_memory_bomb_is_killed_and_scored_crash_while_the_container_recovers(docker_sandboxes):
