@@ -269,7 +269,7 @@ class FunctionPool:
                 pending.extendleft(reversed(taken[settled:]))
                 # A retired process sends back what it did not score: one sample per request until none retires,
                 # but while samples run forked (none retires then).
-                self._chunk_cap = 1 if (streamed.retired and self._fork_left <= 0) or \
+                self._chunk_cap = 1 if (streamed.retired and not self._forking()) or \
                     self.config.isolation == "process" else min(MAX_CHUNK, self._chunk_cap * 2)
 
         while pending:
@@ -427,7 +427,7 @@ class FunctionPool:
                 if forked:
                     reader.take(1)
                 else:
-                    self._fork_left, self._can_fork = 0, False
+                    self._can_fork = False
             k = 0
             while k < units:
                 deadline_s = loop.time() + unit_s  # each unit's answer and trailer, from the end of the last one
@@ -516,12 +516,17 @@ class FunctionPool:
         except codec.MalformedResult as e:
             return None, Outcome.failed(Status.INVALID, f"malformed answer from the worker: {e}")
 
+    def _forking(self) -> bool:
+        """Whether samples run forked now (:mod:`.forked`): for FORKED_SAMPLES samples after one tainted its process
+        (a sync reward's, isolation: sample), where slot processes can fork. Then a request runs in the process
+        itself again, so a reward that tainted only once (an import on its first call) is soon served at worker
+        speed again."""
+        return self._fork_left > 0 and self._can_fork and self.config.isolation == "sample" and \
+            not self.info.is_async
+
     def _forks(self, samples: int) -> bool:
-        """Whether a streamed request of ``samples`` runs each unit in a child of the slot process
-        (:mod:`.forked`): for FORKED_SAMPLES samples after one tainted its process (a sync reward's, isolation:
-        sample). Then a request runs in the process itself again, so a reward that tainted only once (an import on
-        its first call) is soon served at worker speed again."""
-        if self._fork_left <= 0 or not self._can_fork or self.config.isolation != "sample" or self.info.is_async:
+        """Whether a streamed request of ``samples`` runs forked; counts them against FORKED_SAMPLES."""
+        if not self._forking():
             return False
         self._fork_left -= samples
         return True
