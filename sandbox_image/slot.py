@@ -225,44 +225,11 @@ async def _score_unit(loaded: worker.Loaded, batch, unit, timeout_s: float, stat
 
 
 async def _score_units(loaded: worker.Loaded, sock: socket.socket, batch, timeout_s: float, state: Optional[dict],
-                       reusable: bool) -> bool:
-    """Scores the units of a streamed request in order. Each answer is queued and sent at least every FLUSH_S, and
-    always before the marker of a taint (the audit hook sends them: :mod:`.reuse`), so what a clean unit answered is
-    out of this process before any code from data runs in it; the state check runs before each sending. Returns
-    whether this process may serve another request."""
-    try:
-        trainer_state = trainer_state_from_dict(state)
-    except BaseException:  # noqa: BLE001
-        trainer_state = None
-    flushed = time.monotonic()
-    retire = None
-    try:
-        for k, unit in enumerate(_units(loaded, batch)):
-            reuse.begin(sock.fileno(), k)
-            started = time.perf_counter()
-            try:
-                outcomes, logs, dropped = await _score_unit(loaded, batch, unit, timeout_s, trainer_state)
-            finally:
-                tainted = reuse.end()
-            took = time.perf_counter() - started
-            retire = tainted or _retire_reason(outcomes, reusable)
-            reuse.queue(k, codec.encode_result(outcomes, logs, dropped, loaded.config.max_log_bytes, took),
-                        reuse.marker(k, retire) if retire else reuse.CLEAN)
-            if retire:
-                break
-            if time.monotonic() - flushed >= FLUSH_S:
-                if reuse.flush() is not None:
-                    return False
-                flushed = time.monotonic()
-        return reuse.flush() is None and retire is None
-    except OSError:
-        return False  # the server gave up on this request (its deadline passed)
-
-
-def _fork_units(loaded: worker.Loaded, sock: socket.socket, batch, timeout_s: float, state: Optional[dict],
-                forker: forked.Forker) -> bool:
-    """isolation: sample, forked (:mod:`.forked`): each unit of a request in a child; this process runs no reward
-    code. Answers are queued and sent as in :func:`_score_units`. Returns whether this process may serve another
+                       reusable: bool, forker: Optional[forked.Forker] = None) -> bool:
+    """Scores the units of a streamed request in order (with a ``forker``, each in a child: :mod:`.forked`; a sync
+    reward's only). Each answer is queued and sent at least every FLUSH_S, and always before the marker of a taint
+    (the audit hook sends them: :mod:`.reuse`), so what a clean unit answered is out of this process before any code
+    from data runs in it; the state check runs before each sending. Returns whether this process may serve another
     request."""
     try:
         trainer_state = trainer_state_from_dict(state)
@@ -270,26 +237,38 @@ def _fork_units(loaded: worker.Loaded, sock: socket.socket, batch, timeout_s: fl
         trainer_state = None
     max_log_bytes = loaded.config.max_log_bytes
     flushed = time.monotonic()
-    reuse.answer_to(sock.fileno())
+    retire = None
     try:
-        sock.sendall(codec.FORKING)
+        if forker is not None:
+            reuse.answer_to(sock.fileno())
+            sock.sendall(codec.FORKING)
         for k, unit in enumerate(_units(loaded, batch)):
-            def score(unit=unit) -> bytes:  # in the child
-                started = time.perf_counter()
-                outcomes, logs, dropped = _run_coroutine(_score_unit(loaded, batch, unit, timeout_s, trainer_state))
-                return codec.encode_result(outcomes, logs, dropped, max_log_bytes, time.perf_counter() - started)
+            if forker is not None:
+                def score(unit=unit) -> bytes:  # in the child
+                    started = time.perf_counter()
+                    outcomes, logs, dropped = _run_coroutine(_score_unit(loaded, batch, unit, timeout_s,
+                                                                         trainer_state))
+                    return codec.encode_result(outcomes, logs, dropped, max_log_bytes, time.perf_counter() - started)
 
-            answer, retire = forker.run(score, 1 if isinstance(unit, int) else len(unit), timeout_s, max_log_bytes,
-                                        sock.fileno(), execution.attach_child)
+                answer, retire = forker.run(score, 1 if isinstance(unit, int) else len(unit), timeout_s,
+                                            max_log_bytes, sock.fileno(), execution.attach_child)
+            else:
+                reuse.begin(sock.fileno(), k)
+                started = time.perf_counter()
+                try:
+                    outcomes, logs, dropped = await _score_unit(loaded, batch, unit, timeout_s, trainer_state)
+                finally:
+                    tainted = reuse.end()
+                answer = codec.encode_result(outcomes, logs, dropped, max_log_bytes, time.perf_counter() - started)
+                retire = tainted or _retire_reason(outcomes, reusable)
             reuse.queue(k, answer, reuse.marker(k, retire) if retire else reuse.CLEAN)
             if retire:
-                reuse.flush()
-                return False
+                break
             if time.monotonic() - flushed >= FLUSH_S:
                 if reuse.flush() is not None:
                     return False
                 flushed = time.monotonic()
-        return reuse.flush() is None
+        return reuse.flush() is None and retire is None
     except OSError:
         return False  # the server gave up on this request (its deadline passed)
 
@@ -303,9 +282,8 @@ def _handle_stream(loaded: worker.Loaded, fd: int, reusable: bool, forker: Optio
     try:
         sock.sendall(codec.STARTED)
         batch, timeout_s, state, fork = codec.decode_request(_read_request(sock))
-        if fork and forker is not None and not loaded.info.is_async:
-            return _fork_units(loaded, sock, batch, timeout_s, state, forker)
-        units = _score_units(loaded, sock, batch, timeout_s, state, reusable)
+        fork = fork and forker is not None and not loaded.info.is_async
+        units = _score_units(loaded, sock, batch, timeout_s, state, reusable, forker if fork else None)
         if not loaded.info.is_async:
             return _run_coroutine(units)
         import asyncio  # preloaded by the template of an async function (see worker)
