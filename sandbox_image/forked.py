@@ -63,12 +63,65 @@ class Forker:
 
     def run(self, score: Callable[[], bytes], samples: int, timeout_s: float, max_log_bytes: int,
             request_fd: int, attach: Callable[[Optional[int]], None]) -> tuple[bytes, Optional[str]]:
-        """:func:`run_unit` for this slot process; the request's socket ``request_fd`` is closed in the child."""
+        """Runs ``score`` (which returns one unit's encoded answer) in a child and cleans up after it. Returns (its
+        answer, checked, or the unit's failure; why the slot process must retire, or None). The request's socket
+        ``request_fd`` is closed in the child; ``attach(fd)`` gives the child its runner socket."""
         if not self.reaper:
             processes.become_subreaper()  # what its children leave becomes its own child: see _kill_and_reap
             self.reaper = True
-        return run_unit(score, samples, timeout_s, max_log_bytes, (request_fd, *self.close), self.runner, attach,
-                        self.scratch)
+        child_runner = runner_socket(self.runner)
+        read_end, write_end = os.pipe()
+        try:
+            pid = os.fork()
+        except OSError as e:
+            for fd in (read_end, write_end):
+                os.close(fd)
+            if child_runner is not None:
+                child_runner.close()
+            return _failure(samples, max_log_bytes, Status.ERROR,
+                            f"rewardbox could not start this sample's process: {e}"), None
+        if pid == 0:
+            code = 70
+            try:
+                os.close(read_end)
+                for fd in (request_fd, *self.close):
+                    os.close(fd)
+                attach(None if child_runner is None else child_runner.detach())
+                data = score()
+                payload = _LENGTH.pack(len(data)) + data
+                while payload:
+                    payload = payload[os.write(write_end, payload):]
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write_end)
+        if child_runner is not None:
+            child_runner.close()
+        try:
+            data, failed, why = _read_answer(read_end, codec.result_limit(samples, max_log_bytes),
+                                             time.monotonic() + timeout_s + KILL_MARGIN_S)
+        finally:
+            os.close(read_end)
+        status, retire = None, None
+        try:
+            status = _kill_and_reap(pid)
+            processes.empty(self.scratch)
+        except OSError as e:
+            retire = f"what a sample left could not be removed: {e}"
+        if data is not None:
+            try:
+                codec.decode_result(data, samples, max_log_bytes)
+                return data, retire
+            except codec.MalformedResult as e:
+                failed, why = Status.INVALID, str(e)
+        if failed is Status.TIMEOUT:
+            why = f"exceeded timeout_s={timeout_s:g}; the worker was killed"
+        elif failed is Status.INVALID:
+            why = f"malformed answer from the worker: {why}"
+        else:
+            details = "; ".join(d for d in (processes.describe_status(status) if status is not None else "", why) if d)
+            why = f"worker process died ({details})" if details else "worker process died"
+        return _failure(samples, max_log_bytes, failed, why), retire
 
 
 def runner_socket(runner: Optional[socket.socket]) -> Optional[socket.socket]:
@@ -88,71 +141,10 @@ def runner_socket(runner: Optional[socket.socket]) -> Optional[socket.socket]:
     return ours
 
 
-def run_unit(score: Callable[[], bytes], samples: int, timeout_s: float, max_log_bytes: int, close: tuple,
-             runner: Optional[socket.socket], attach: Callable[[Optional[int]], None],
-             scratch: str) -> tuple[bytes, Optional[str]]:
-    """Runs ``score`` (which returns one unit's encoded answer) in a child and cleans up after it. Returns (its
-    answer, checked, or the unit's failure; why the slot process must retire, or None). ``close``: descriptors the
-    child must not hold (the request's socket, the template's); ``attach(fd)`` gives the child its runner socket."""
-    limit = codec.result_limit(samples, max_log_bytes)
-    child_runner = runner_socket(runner)
-    read_end, write_end = os.pipe()
-    try:
-        pid = os.fork()
-    except OSError as e:
-        for fd in (read_end, write_end):
-            os.close(fd)
-        if child_runner is not None:
-            child_runner.close()
-        return _failure(samples, max_log_bytes, Status.ERROR, f"rewardbox could not start this sample's process: {e}"), \
-            None
-    if pid == 0:
-        code = 70
-        try:
-            os.close(read_end)
-            for fd in close:
-                os.close(fd)
-            attach(None if child_runner is None else child_runner.detach())
-            data = score()
-            payload = _LENGTH.pack(len(data)) + data
-            while payload:
-                payload = payload[os.write(write_end, payload):]
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    if child_runner is not None:
-        child_runner.close()
-    try:
-        data, why = _read_answer(read_end, limit, time.monotonic() + timeout_s + KILL_MARGIN_S)
-    finally:
-        os.close(read_end)
-    status, retire = None, None
-    try:
-        status = _kill_and_reap(pid)
-        processes.empty(scratch)
-    except OSError as e:
-        retire = f"what a sample left could not be removed: {e}"
-    if data is None:
-        if why == LATE:
-            return _failure(samples, max_log_bytes, Status.TIMEOUT,
-                            f"exceeded timeout_s={timeout_s:g}; the worker was killed"), retire
-        if why.startswith(MALFORMED):
-            return _failure(samples, max_log_bytes, Status.INVALID, why), retire
-        how = [processes.describe_status(status)] if status is not None else []
-        return _failure(samples, max_log_bytes, Status.CRASH,
-                        f"worker process died ({'; '.join(how + ([why] if why else []))})" if how or why else
-                        "worker process died"), retire
-    try:
-        codec.decode_result(data, samples, max_log_bytes)
-    except codec.MalformedResult as e:
-        return _failure(samples, max_log_bytes, Status.INVALID, f"{MALFORMED}{e}"), retire
-    return data, retire
-
-
-def _read_answer(fd: int, limit: int, deadline: float) -> tuple[Optional[bytes], str]:
-    """(the child's answer, or None and why: ``late`` when the deadline passed first). The answer is its declared
-    length of bytes after the length itself; a length over ``limit`` is no answer."""
+def _read_answer(fd: int, limit: int, deadline: float) -> tuple[Optional[bytes], Status, str]:
+    """(the child's answer or None, and when None, the unit's status (timeout: the deadline passed first; invalid:
+    a length over ``limit``; crash: it ended without a whole answer) and what to add). The answer is its declared
+    length of bytes after the length itself."""
     data = b""
     wanted = _LENGTH.size
     poller = select.poll()
@@ -160,21 +152,17 @@ def _read_answer(fd: int, limit: int, deadline: float) -> tuple[Optional[bytes],
     while len(data) < wanted:
         left = deadline - time.monotonic()
         if left <= 0 or not poller.poll(left * 1000):
-            return None, LATE
+            return None, Status.TIMEOUT, ""
         chunk = os.read(fd, min(wanted - len(data), 1 << 16))
         if not chunk:
-            return None, f"its answer ended after {len(data)} of {wanted} bytes" if data else ""
+            return None, Status.CRASH, f"its answer ended after {len(data)} of {wanted} bytes" if data else ""
         data += chunk
         if wanted == _LENGTH.size and len(data) == wanted:
             (length,) = _LENGTH.unpack(data)
             if length > limit:
-                return None, f"{MALFORMED}the answer declared {length} bytes, over the limit of {limit}"
+                return None, Status.INVALID, f"the answer declared {length} bytes, over the limit of {limit}"
             wanted += length
-    return data[_LENGTH.size:], ""
-
-
-LATE = "late"
-MALFORMED = "malformed answer from the worker: "
+    return data[_LENGTH.size:], Status.OK, ""
 
 
 def _kill_and_reap(pid: int) -> Optional[int]:
