@@ -24,11 +24,11 @@ The child answers through a pipe: a length, then one answer in the format the se
 process reads at most the length one answer may have, by the unit's deadline, and checks it as the server would; an
 answer that breaks the format, or none, becomes the unit's failure, written by this trusted code.
 
-What a child can still do to the slot process: signal it (they share a uid), only while its own unit runs (its
-descendants are gone before the next one starts). Killing it is that unit's crash, as for a fresh process. Stopping
-it (SIGSTOP) is a known gap: the unit is still the one blamed, but the batch it is in waits until its call's
-deadline (about 87 s for a 5 s timeout, measured), not the unit's. The fix is a real uid of the slot process's own
-(as :data:`.processes.REAPER_UID_BIT` gives the cleanup), which needs the user namespace to map it.
+What a child can still do to the slot process: signal it (they share a uid), and only while its own unit runs (its
+descendants are gone before the next one starts). Each answer leaves the slot process before the next child starts
+(:func:`.slot._score_units`), so the server blames whatever then stalls or ends the slot process on the first unit
+it has no answer for: stopping it (SIGSTOP) makes that unit a ``timeout``, as a sample that hangs, killing it a
+``crash``; the template replaces the slot process, and the batch goes on.
 """
 
 from __future__ import annotations

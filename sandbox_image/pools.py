@@ -268,8 +268,9 @@ class FunctionPool:
                     replaced += 1
                 pending.extendleft(reversed(taken[settled:]))
                 # A retired process sends back what it did not score: one sample per request until none retires,
-                # but while samples run forked (none retires then).
-                self._chunk_cap = 1 if (streamed.retired and not self._forking()) or \
+                # but while samples run forked (none retires then). A failure no unit could be blamed for alone
+                # sends them back too: one per request then, so each request settles the sample it ran.
+                self._chunk_cap = 1 if (streamed.retired and not self._forking()) or streamed.unattributed or \
                     self.config.isolation == "process" else min(MAX_CHUNK, self._chunk_cap * 2)
 
         while pending:
@@ -466,9 +467,10 @@ class FunctionPool:
             streamed.failed = Outcome.failed(Status.INVALID, f"malformed answer from the worker: {e}")
         if streamed.failed is not None or len(streamed.answered) < units:
             streamed.retired = True
-        if streamed.failed is not None and not tainted and units - len(streamed.answered) > 1:
+        if streamed.failed is not None and not tainted and not forked and units - len(streamed.answered) > 1:
             # Answers of clean units travel together (slot.FLUSH_S): the one that hung or crashed may be any unit
             # not answered yet. They all go back, one per request from now on, and the guilty one fails alone.
+            # Forked, each answer leaves before the next unit starts: the unit that ran is the first unanswered.
             streamed.failed, streamed.unattributed = None, True
         return streamed
 

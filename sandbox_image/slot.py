@@ -227,10 +227,10 @@ async def _score_unit(loaded: worker.Loaded, batch, unit, timeout_s: float, stat
 async def _score_units(loaded: worker.Loaded, sock: socket.socket, batch, timeout_s: float, state: Optional[dict],
                        reusable: bool, forker: Optional[forked.Forker] = None) -> bool:
     """Scores the units of a streamed request in order (with a ``forker``, each in a child: :mod:`.forked`; a sync
-    reward's only). Each answer is queued and sent at least every FLUSH_S, and always before the marker of a taint
-    (the audit hook sends them: :mod:`.reuse`), so what a clean unit answered is out of this process before any code
-    from data runs in it; the state check runs before each sending. Returns whether this process may serve another
-    request."""
+    reward's only). Each answer is queued and sent at least every FLUSH_S (forked: before the next child starts),
+    and always before the marker of a taint (the audit hook sends them: :mod:`.reuse`), so what a clean unit
+    answered is out of this process before any code from data runs in it; the state check runs before each sending.
+    Returns whether this process may serve another request."""
     try:
         trainer_state = trainer_state_from_dict(state)
     except BaseException:  # noqa: BLE001
@@ -264,7 +264,9 @@ async def _score_units(loaded: worker.Loaded, sock: socket.socket, batch, timeou
             reuse.queue(k, answer, reuse.marker(k, retire) if retire else reuse.CLEAN)
             if retire:
                 break
-            if time.monotonic() - flushed >= FLUSH_S:
+            # Forked, each answer is sent before the next child starts: whatever stalls or ends this process then
+            # (a child may signal it) is the fault of the first unit the server has no answer for.
+            if forker is not None or time.monotonic() - flushed >= FLUSH_S:
                 if reuse.flush() is not None:
                     return False
                 flushed = time.monotonic()
