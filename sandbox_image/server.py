@@ -318,13 +318,3 @@ async def serve(listen: str, supervisor: Supervisor, parent_pid: Optional[int] =
         await server.stop(grace_s)
         servicer.close()
 
-
-def main(argv: Optional[list] = None) -> int:
-    """``python -m rewardbox.sandbox.server ...`` is the same as ``python -m rewardbox.sandbox ...``."""
-    from .__main__ import main as entry
-
-    return entry(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
