@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Optional
 
-from . import private_tmp
+from . import private_tmp, processes
 from . import supervisor as supervisor_module
 
 
@@ -116,6 +116,7 @@ def main(argv: Optional[list] = None) -> int:
     else:
         pool = supervisor_module.local_pool(os.environ.get("REWARDBOX_STATE_DIR"))
     pid, sock = supervisor_module.start(pool)
+    processes.set_name("rbx-server")
     if args.server_uid is not None and os.getuid() != args.server_uid:
         _become(args.server_uid)
     if args.slot_uids:

@@ -83,6 +83,7 @@ class Forker:
         if pid == 0:
             code = 70
             try:
+                processes.set_name("rbx-sample")
                 os.close(read_end)
                 for fd in (request_fd, *self.close):
                     os.close(fd)

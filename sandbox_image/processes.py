@@ -85,6 +85,15 @@ def describe_status(status: int) -> str:
     return f"exit code {os.WEXITSTATUS(status)}"
 
 
+_PR_SET_NAME = 15
+
+
+def set_name(name: str) -> None:
+    """Names this process (at most 15 bytes) for ``ps``, ``top`` and ``perf`` (see docs/design.md's process tree).
+    Only for people: nothing trusts a name, and reward code may change its own."""
+    _LIBC.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
 def become_subreaper() -> None:
     """Makes this process the one that inherits its orphaned descendants (not their init)."""
     _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)

@@ -29,7 +29,6 @@ program runs as its caller). Standard library only.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import os
 import resource
@@ -54,7 +53,6 @@ COMPILE_PROCESSES = 64
 OPEN_FILES = 256
 CLOSED = 3  # a monitor's exit code when its socket closed
 MEMORY_POLL_S = 0.02  # how often the memory of a program's processes is added up
-_PR_SET_CHILD_SUBREAPER = 36
 _MIB = 1 << 20
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
 
@@ -562,7 +560,8 @@ def _start_monitor(slot: RunSlot, sock: socket.socket, keep: tuple = ()) -> int:
             processes.die_with_parent(signal.SIGTERM)
             for fd in keep:
                 os.close(fd)
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+            processes.set_name("rbx-monitor")
+            processes.become_subreaper()
             code = Monitor(slot, sock).loop()
         finally:
             os._exit(code)
@@ -581,6 +580,7 @@ class Runner:
         self.selector = selectors.DefaultSelector()
 
     def run(self) -> None:
+        processes.set_name("rbx-runner")
         wake_r = processes.sigchld_wakeup()
         self.selector.register(wake_r, selectors.EVENT_READ, "wake")
         self.selector.register(self.control, selectors.EVENT_READ, "control")
@@ -671,7 +671,7 @@ def main(argv: Optional[list] = None) -> int:
     """``python -m rewardbox.sandbox.runner FD``: serves one socket outside any sandbox (plain Python, the in-process
     backend), in a temporary directory, as the caller's own user."""
     fd = int((argv if argv is not None else sys.argv[1:])[0])
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    processes.become_subreaper()
     processes.die_with_parent()
     import tempfile  # here: it loads random, whose reseeding would run after every fork of a template
 

@@ -87,6 +87,7 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
         OSError, RuntimeError: it cannot be prepared; the slot is not used.
     """
     os.setsid()
+    processes.set_name("rbx-slot")
     if slot.uid is None:
         # Local backend: nothing reaps by uid, so a slot process must not outlive its template.
         die_with_parent()

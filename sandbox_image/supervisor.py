@@ -25,7 +25,7 @@ from typing import Optional
 from . import template
 from .channel import ChannelClosed, pair, recv, send
 from .records import WorkerConfig
-from .processes import exited_children, fork_child, sigchld_wakeup
+from .processes import exited_children, fork_child, set_name, sigchld_wakeup
 from .slot import SlotSpec
 
 SLOT_DIR_PREFIX = "/tmp/slot-"  # docker backend: one tmpfs per slot uid, mode 0700, owned by that uid
@@ -106,6 +106,7 @@ class Supervisor:
         self.selector = selectors.DefaultSelector()
 
     def run(self) -> None:
+        set_name("rbx-supervisor")
         wake_r = sigchld_wakeup()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         self.selector.register(wake_r, selectors.EVENT_READ, "wake")

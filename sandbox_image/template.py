@@ -317,6 +317,7 @@ def run(config: WorkerConfig, slot_specs: list[slots.SlotSpec], server: socket.s
     """The whole life of a template process; never returns."""
     code = 0
     try:
+        processes.set_name("rbx-template")
         Template(config, slot_specs, server).run()
     except BaseException as e:  # noqa: BLE001 - the server sees the socket close
         code = 70
