@@ -310,4 +310,4 @@ def test_a_sample_that_stops_the_process_that_forked_it_times_out_alone(sandboxe
     assert report.statuses[:3].count(Status.OK) + stopped == 3, report.errors[:3]
     assert stopped == 0 if sandboxes.runtime == "runsc" else stopped >= 1, report.errors[:3]
     assert report.workers_replaced <= stopped, report.workers_replaced
-    assert elapsed < 2 * TIMEOUT_S + 10, elapsed
+    assert elapsed < 3 * (TIMEOUT_S + 1) + 10, elapsed  # each stopper's own timeout, at worst one after another
