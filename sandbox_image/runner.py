@@ -86,7 +86,8 @@ class Limits:
 
 
 class SlotGone(BaseException):
-    """The slot process that asked went away, or the runner did: stop at once (killing the program)."""
+    """The slot process that asked went away, the runner did, or the socket broke the exchange (more bytes while a
+    program runs): stop at once, killing the program, and serve that socket no more."""
 
 
 def _runner_gone(signum, frame):
@@ -314,9 +315,11 @@ class Monitor:
                 for key, _ in selector.select(timeout=min(deadline, next_poll) - now):
                     fd = key.fileobj
                     if fd is self.sock:
-                        if not self.sock.recv(1, socket.MSG_PEEK):
-                            raise SlotGone()
-                        selector.unregister(self.sock)  # a second request while this one runs: read later
+                        # Its end closed, or it wrote while its request runs, which rewardbox.sandbox.run never does
+                        # (one request at a time per socket, waited for). Ignoring those bytes would mean no longer
+                        # watching for the close: a sample's program would outlive it and hold up the slot's next
+                        # samples for its whole timeout.
+                        raise SlotGone()
                     elif fd == wake_r:
                         try:
                             os.read(wake_r, 4096)

@@ -286,6 +286,31 @@ def test_half_a_frame_left_to_the_program_runner_reaches_no_later_sample(sandbox
     assert report.values[:4] == [1.0] * 4, report.errors[:4]
 
 
+def test_bytes_written_to_the_program_runner_while_a_program_runs_end_that_program(sandboxes):
+    # A sample's process writes to its runner socket while its own program runs (rewardbox.sandbox.run never does):
+    # the runner kills the program and serves that socket no more. Before, it stopped watching the socket, so the
+    # program outlived the sample, and the slot's later samples' run() calls waited behind it until they timed out.
+    stray = textwrap.dedent("""
+        import os, time
+        from rewardbox.sandbox import execution, run
+        fd = execution._connect().sock.fileno()
+        if os.fork() == 0:
+            time.sleep(1.0)
+            os.write(fd, b"x")
+            os._exit(0)
+        run("import time; time.sleep(120)", timeout_s=120)
+        score = 1.0
+    """)
+    runs = textwrap.dedent("""
+        from rewardbox.sandbox import run
+        result = run("print(6 * 7)")
+        score = 0.75 if result.stdout.strip() == "42" else 0.0
+    """)
+    report, _ = _innocents_after(sandboxes, [stray] * 2, runs, 0.75, 6)
+    assert Status.OK not in report.statuses[:2], report.values[:2]  # run() failed: the program was ended early
+    report, _ = _innocents_after(sandboxes, [], runs, 0.75, 8)  # the slots the strays ran in serve on
+
+
 def test_a_sample_that_kills_the_process_that_forked_it_fails_alone(sandboxes):
     # A forked sample shares its uid with the slot process that forked it, so it can signal it: killing it ends the
     # slot process while this sample's own unit runs, and only this sample fails (the server blames it).
@@ -311,3 +336,4 @@ def test_a_sample_that_stops_the_process_that_forked_it_times_out_alone(sandboxe
     assert stopped == 0 if sandboxes.runtime == "runsc" else stopped >= 1, report.errors[:3]
     assert report.workers_replaced <= stopped, report.workers_replaced
     assert elapsed < 3 * (TIMEOUT_S + 1) + 10, elapsed  # each stopper's own timeout, at worst one after another
+
