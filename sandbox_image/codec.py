@@ -1,8 +1,9 @@
 """What crosses from the server to a worker and back, per request.
 
-Request (server -> worker; trusted): JSON with the samples column by column, the timeout, the trainer state, and
-whether each unit runs in a child of the slot process (``isolation: sample`` for a reward whose samples taint their
-processes: :mod:`.forked`).
+Request (server -> worker; trusted): its size (u64), then length-prefixed (u32) parts: a JSON header (the timeout, the
+trainer state, the number of samples, and whether each unit runs in a child of the slot process: ``isolation:
+sample`` for a reward whose samples taint their processes, :mod:`.forked`), then one JSON array per sample. A slot
+process receives it into a mapping of its own and decodes only the samples it runs (:class:`Request`).
 
 Result (worker -> server; **hostile**: model-written code ran in that process and may have written anything):
 a fixed binary layout, read with a size bound and validated field by field. Nothing in it is unpickled or
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import struct
 from typing import Optional, Sequence
 
@@ -55,28 +57,75 @@ class MalformedResult(ValueError):
 
 # -- requests ----------------------------------------------------------------------------------------------------
 
+_LENGTH = struct.Struct("<I")
+_SIZE = struct.Struct("<Q")
+SIZE_BYTES = _SIZE.size
+
+
 def encode_request(batch: SampleBatch, timeout_s: float, trainer_state: Optional[dict], fork: bool = False) -> bytes:
-    """``fork``: run each unit in a child of the slot process (:mod:`.forked`)."""
-    return json.dumps({
-        "timeout_s": timeout_s,
-        "fork": fork,
-        "trainer_state": trainer_state,
-        "prompts": batch.prompts,
-        "completions": batch.completions,
-        "columns_json": batch.columns_json,
-        "prompt_messages_json": batch.prompt_messages_json,
-        "completion_messages_json": batch.completion_messages_json,
-        "completion_ids": batch.completion_ids,
-    }, separators=(",", ":")).encode()
+    """``fork``: run each unit in a child of the slot process (:mod:`.forked`). Each sample is JSON of its own, so a
+    slot process decodes only the samples it runs (:class:`Request`)."""
+    header = json.dumps({"timeout_s": timeout_s, "fork": fork, "trainer_state": trainer_state,
+                         "samples": len(batch), "ids": batch.completion_ids is not None}, separators=(",", ":"))
+    parts = [header.encode()]
+    ids = batch.completion_ids
+    dumps = json.JSONEncoder(separators=(",", ":")).encode
+    for i in range(len(batch)):
+        parts.append(dumps([batch.prompts[i], batch.completions[i], batch.columns_json[i],
+                            batch.prompt_messages_json[i], batch.completion_messages_json[i],
+                            ids[i] if ids is not None else None]).encode())
+    body = b"".join(_LENGTH.pack(len(part)) + part for part in parts)
+    return _SIZE.pack(len(body)) + body
 
 
-def decode_request(data: bytes) -> tuple[SampleBatch, float, Optional[dict], bool]:
-    """(samples, timeout, trainer state, whether to fork each unit)."""
-    request = json.loads(data)
-    batch = SampleBatch(request["prompts"], request["completions"], request["columns_json"],
-                        request["prompt_messages_json"], request["completion_messages_json"],
-                        request["completion_ids"])
-    return batch, float(request["timeout_s"]), request["trainer_state"], bool(request.get("fork"))
+def request_size(prefix: bytes) -> int:
+    """The length of the request that follows its first SIZE_BYTES bytes."""
+    return _SIZE.unpack(prefix)[0]
+
+
+class Request:
+    """A request as a slot process holds it: the bytes after its size, in a memory mapping of their own (never in
+    Python's heap), decoded a sample at a time. :meth:`close` unmaps them: a forked child once it decoded its own
+    samples (:mod:`.forked`), a process a sample tainted before that sample's code runs (:mod:`.reuse`). So code from
+    one sample never finds the text of the request's other samples in its process's memory.
+
+    Raises (on construction):
+        ValueError: the bytes do not hold a request (the server wrote them: a bug, not an attack).
+    """
+
+    def __init__(self, data: mmap.mmap) -> None:
+        self.data = data
+        self.offsets: list = []  # (start, end) of each part: the header, then one per sample
+        position = 0
+        while position < len(data):
+            (length,) = _LENGTH.unpack_from(data, position)
+            self.offsets.append((position + _LENGTH.size, position + _LENGTH.size + length))
+            position += _LENGTH.size + length
+        if position != len(data) or not self.offsets:
+            raise ValueError("a request that does not end where its last part does")
+        header = json.loads(self._part(0))
+        if header["samples"] != len(self.offsets) - 1:
+            raise ValueError(f"a request of {len(self.offsets) - 1} samples says {header['samples']}")
+        self.timeout_s = float(header["timeout_s"])
+        self.trainer_state: Optional[dict] = header["trainer_state"]
+        self.fork = bool(header["fork"])
+        self.ids = bool(header["ids"])
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def _part(self, k: int) -> bytes:
+        start, end = self.offsets[k]
+        return self.data[start:end]
+
+    def take(self, indices: Sequence[int]) -> SampleBatch:
+        """The samples at ``indices``, decoded (raises ValueError once :meth:`close`d)."""
+        rows = [json.loads(self._part(i + 1)) for i in indices]
+        columns = [list(column) for column in zip(*rows)] if rows else [[] for _ in range(6)]
+        return SampleBatch(*columns[:5], columns[5] if self.ids else None)
+
+    def close(self) -> None:
+        self.data.close()
 
 
 # -- results -----------------------------------------------------------------------------------------------------

@@ -82,6 +82,7 @@ class _Watch:
         self.first_pending = 0  # the unit of the first of them
         self.check: Optional[StateCheck] = None
         self.withdrawn: Optional[str] = None
+        self.on_taint: Optional[Callable[[], None]] = None  # the running request's: unmaps its other samples
 
     def flush(self, then: bytes = b"", checked: bool = False) -> None:
         """Sends what is pending, then ``then``. Before that, while the process is clean, the state check runs. The
@@ -114,8 +115,11 @@ class _Watch:
         try:
             # the answers of earlier samples (checked), then the marker: before the event's code can run
             self.flush(then=marker(self.index, self.tainted), checked=True)
-        except OSError:
-            # The server is gone or the socket was closed: the event must not happen unreported.
+            if self.on_taint is not None:
+                self.on_taint()  # the request's later samples go elsewhere: their text leaves this process first
+        except (OSError, BufferError):
+            # The server is gone or the socket was closed, or the request could not be unmapped: the event must not
+            # happen unreported, nor with the other samples readable.
             raise RuntimeError("rewardbox: this sample's process could not report an operation; refused") from None
 
 
@@ -182,14 +186,15 @@ def flush() -> Optional[str]:
     return _WATCH.withdrawn
 
 
-def begin(fd: int, index: int) -> None:
-    """Sample ``index`` of the request on socket ``fd`` starts running."""
-    _WATCH.fd, _WATCH.index = fd, index
+def begin(fd: int, index: int, on_taint: Optional[Callable[[], None]] = None) -> None:
+    """Sample ``index`` of the request on socket ``fd`` starts running; a taint calls ``on_taint`` after the marker
+    is sent, before the event's code runs."""
+    _WATCH.fd, _WATCH.index, _WATCH.on_taint = fd, index, on_taint
 
 
 def answer_to(fd: int) -> None:
     """Queued answers go to the request on socket ``fd``, while no sample runs in this process (:mod:`.forked`)."""
-    _WATCH.fd, _WATCH.index = fd, -1
+    _WATCH.fd, _WATCH.index, _WATCH.on_taint = fd, -1, None
 
 
 def end() -> Optional[str]:

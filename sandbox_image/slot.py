@@ -23,6 +23,7 @@ request and exits, so every sample (a whole call, for batch style) starts from t
 
 from __future__ import annotations
 
+import mmap
 import os
 import resource
 import signal
@@ -31,7 +32,7 @@ import struct
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from ..wire import Outcome, Status, trainer_state_from_dict
 from . import codec, execution, forked, private_tmp, processes, reuse, seccomp, worker
@@ -43,7 +44,6 @@ FAILED = b"F"  # followed by why (UTF-8, at most MAX_REASON bytes), before the p
 MAX_REASON = 2000
 _MARK = struct.Struct("<Q")
 READY_SIZE = 1 + _MARK.size
-_READ_CHUNK = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -141,13 +141,44 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
     return mark
 
 
-def _read_request(sock: socket.socket) -> bytes:
-    chunks = []
-    while True:
-        data = sock.recv(_READ_CHUNK)
-        if not data:
-            return b"".join(chunks)
-        chunks.append(data)
+async def _receive(recv_into: Callable) -> codec.Request:
+    """A request, received straight into a mapping of its own (:class:`.codec.Request`): its samples' text is never
+    in this process's heap. ``recv_into(view)`` is the socket's (awaitable).
+
+    Raises:
+        ConnectionError: the request ended early.
+    """
+    async def fill(view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            with view[got:] as rest:
+                n = await recv_into(rest)
+            if not n:
+                raise ConnectionError("the request ended early")
+            got += n
+
+    prefix = bytearray(codec.SIZE_BYTES)
+    with memoryview(prefix) as view:
+        await fill(view)
+    data = mmap.mmap(-1, codec.request_size(bytes(prefix)))
+    with memoryview(data) as view:
+        await fill(view)
+    return codec.Request(data)
+
+
+def _receive_blocking(sock: socket.socket) -> codec.Request:
+    async def recv_into(view: memoryview) -> int:
+        return sock.recv_into(view)
+
+    return _run_coroutine(_receive(recv_into))
+
+
+def _whole(request: codec.Request):
+    """All of a request's samples, for isolation: worker (they share a process anyway); unmaps the request."""
+    try:
+        return request.take(range(len(request)))
+    finally:
+        request.close()
 
 
 def _answer(loaded: worker.Loaded, sock: socket.socket, result: tuple) -> None:
@@ -173,7 +204,8 @@ def _handle(loaded: worker.Loaded, fd: int) -> None:
     sock = socket.socket(fileno=fd)
     sock.setblocking(True)
     sock.sendall(codec.STARTED)
-    batch, timeout_s, state, _ = codec.decode_request(_read_request(sock))
+    request = _receive_blocking(sock)
+    batch, timeout_s, state = _whole(request), request.timeout_s, request.trainer_state
     try:
         trainer_state = trainer_state_from_dict(state)
         if loaded.info.is_async:
@@ -204,60 +236,61 @@ def _retire_reason(outcomes: list, reusable: bool) -> Optional[str]:
 FLUSH_S = 0.002  # answers of clean samples are sent together, at least this often (and before any taint's marker)
 
 
-def _units(loaded: worker.Loaded, batch):
-    """What is scored, answered and judged for reuse one at a time: each sample (by index), or the whole call
-    (batch style)."""
-    return [batch] if loaded.config.style == "batch" else range(len(batch))
+def _units(loaded: worker.Loaded, request: codec.Request) -> list:
+    """What is scored, answered and judged for reuse one at a time, as the indices of its samples: each sample
+    alone, or all of them (batch style: the whole call)."""
+    n = len(request)
+    return [range(n)] if loaded.config.style == "batch" else [range(k, k + 1) for k in range(n)]
 
 
-async def _score_unit(loaded: worker.Loaded, batch, unit, timeout_s: float, state) -> tuple:
-    """(outcomes, logs, dropped characters) of one unit. Never raises."""
+async def _score_unit(loaded: worker.Loaded, samples, timeout_s: float, state) -> tuple:
+    """(outcomes, logs, dropped characters) of one unit's ``samples``. Never raises."""
     try:
-        if isinstance(unit, int):
-            if not loaded.info.is_async:
-                outcome, logs, dropped = worker.score_sample(loaded, batch, unit, timeout_s, state)
-                return [outcome], logs, dropped
-            unit = batch.slice(unit, unit + 1)
         if loaded.info.is_async:
-            return await worker.score_async(loaded, unit, timeout_s, state)
-        return worker.score(loaded, unit, timeout_s, state)
+            return await worker.score_async(loaded, samples, timeout_s, state)
+        if loaded.config.style == "batch":
+            return worker.score(loaded, samples, timeout_s, state)
+        outcome, logs, dropped = worker.score_sample(loaded, samples, 0, timeout_s, state)
+        return [outcome], logs, dropped
     except BaseException:  # noqa: BLE001 - reported as these samples' error, not as a crash
-        return _internal_error(1 if isinstance(unit, int) else len(unit))
+        return _internal_error(len(samples))
 
 
-async def _score_units(loaded: worker.Loaded, sock: socket.socket, batch, timeout_s: float, state: Optional[dict],
-                       reusable: bool, forker: Optional[forked.Forker] = None) -> bool:
+async def _score_units(loaded: worker.Loaded, sock: socket.socket, request: codec.Request, reusable: bool,
+                       forker: Optional[forked.Forker] = None) -> bool:
     """Scores the units of a streamed request in order (with a ``forker``, each in a child: :mod:`.forked`; a sync
     reward's only). Each answer is queued and sent at least every FLUSH_S (forked: before the next child starts),
     and always before the marker of a taint (the audit hook sends them: :mod:`.reuse`), so what a clean unit
     answered is out of this process before any code from data runs in it; the state check runs before each sending.
     Returns whether this process may serve another request."""
     try:
-        trainer_state = trainer_state_from_dict(state)
+        trainer_state = trainer_state_from_dict(request.trainer_state)
     except BaseException:  # noqa: BLE001
         trainer_state = None
-    max_log_bytes = loaded.config.max_log_bytes
+    timeout_s, max_log_bytes = request.timeout_s, loaded.config.max_log_bytes
     flushed = time.monotonic()
     retire = None
     try:
         if forker is not None:
             reuse.answer_to(sock.fileno())
             sock.sendall(codec.FORKING)
-        for k, unit in enumerate(_units(loaded, batch)):
+        for k, indices in enumerate(_units(loaded, request)):
             if forker is not None:
-                def score(unit=unit) -> bytes:  # in the child
+                def score(indices=indices) -> bytes:  # in the child
+                    samples = request.take(indices)
+                    request.close()  # the other samples' text leaves the child before the reward sees its own
                     started = time.perf_counter()
-                    outcomes, logs, dropped = _run_coroutine(_score_unit(loaded, batch, unit, timeout_s,
-                                                                         trainer_state))
+                    outcomes, logs, dropped = _run_coroutine(_score_unit(loaded, samples, timeout_s, trainer_state))
                     return codec.encode_result(outcomes, logs, dropped, max_log_bytes, time.perf_counter() - started)
 
-                answer, retire = forker.run(score, 1 if isinstance(unit, int) else len(unit), timeout_s,
-                                            max_log_bytes, sock.fileno(), execution.attach_child)
+                answer, retire = forker.run(score, len(indices), timeout_s, max_log_bytes, sock.fileno(),
+                                            execution.attach_child)
             else:
-                reuse.begin(sock.fileno(), k)
+                samples = request.take(indices)
+                reuse.begin(sock.fileno(), k, request.close)  # a taint unmaps the request before its code runs
                 started = time.perf_counter()
                 try:
-                    outcomes, logs, dropped = await _score_unit(loaded, batch, unit, timeout_s, trainer_state)
+                    outcomes, logs, dropped = await _score_unit(loaded, samples, timeout_s, trainer_state)
                 finally:
                     tainted = reuse.end()
                 answer = codec.encode_result(outcomes, logs, dropped, max_log_bytes, time.perf_counter() - started)
@@ -284,9 +317,9 @@ def _handle_stream(loaded: worker.Loaded, fd: int, reusable: bool, forker: Optio
     sock.setblocking(True)
     try:
         sock.sendall(codec.STARTED)
-        batch, timeout_s, state, fork = codec.decode_request(_read_request(sock))
-        fork = fork and forker is not None and not loaded.info.is_async
-        units = _score_units(loaded, sock, batch, timeout_s, state, reusable, forker if fork else None)
+        request = _receive_blocking(sock)
+        fork = request.fork and forker is not None and not loaded.info.is_async
+        units = _score_units(loaded, sock, request, reusable, forker if fork else None)
         if not loaded.info.is_async:
             return _run_coroutine(units)
         import asyncio  # preloaded by the template of an async function (see worker)
@@ -312,13 +345,8 @@ async def _handle_async(loaded: worker.Loaded, fd: int) -> None:
     sock = socket.socket(fileno=fd)
     sock.setblocking(False)
     await loop.sock_sendall(sock, codec.STARTED)
-    chunks = []
-    while True:
-        data = await loop.sock_recv(sock, _READ_CHUNK)
-        if not data:
-            break
-        chunks.append(data)
-    batch, timeout_s, state, _ = codec.decode_request(b"".join(chunks))
+    request = await _receive(lambda view: loop.sock_recv_into(sock, view))
+    batch, timeout_s, state = _whole(request), request.timeout_s, request.trainer_state
     try:
         trainer_state = trainer_state_from_dict(state)
         result = await worker.score_async(loaded, batch, timeout_s, trainer_state)

@@ -337,3 +337,35 @@ def test_a_sample_that_stops_the_process_that_forked_it_times_out_alone(sandboxe
     assert report.workers_replaced <= stopped, report.workers_replaced
     assert elapsed < 3 * (TIMEOUT_S + 1) + 10, elapsed  # each stopper's own timeout, at worst one after another
 
+
+SCANNER = textwrap.dedent("""
+    import re, sys
+    found = set()
+    frame = sys._getframe()
+    while frame is not None:  # every object the stack reaches that holds completions
+        for value in list(frame.f_locals.values()):
+            for text in getattr(value, "completions", None) or ():
+                found.update(re.findall(r"SECRET-([0-9]+)", text))
+        frame = frame.f_back
+    import ctypes  # then all its memory that no file backs (it is not dumpable: no /proc/self/mem to read)
+    with open("/proc/self/maps") as maps:
+        regions = [line.split() for line in maps]
+    for region in regions:
+        start, end = (int(x, 16) for x in region[0].split("-"))
+        anonymous = region[4] == "0" and not region[-1].startswith("[v")  # not [vvar], [vdso], ...
+        if region[1].startswith("r") and anonymous and end - start < (1 << 30):
+            found.update(m.decode() for m in re.findall(rb"SECRET-([0-9]+)", ctypes.string_at(start, end - start)))
+    score = float(len(found))
+""")
+
+
+def test_no_sample_finds_the_text_of_its_requests_other_samples_in_its_memory(sandboxes):
+    # A request's samples reach a slot process in one memory mapping (codec.Request), decoded one sample at a time;
+    # a forked child unmaps it before its sample runs, and a process a sample tainted before that sample's code
+    # runs. So code from a completion finds no other completion of its request to copy: not up the stack, not
+    # anywhere in its process's memory. It used to find the rest of its request (the red team of #18).
+    innocents = [f"score = 0.5  # SECRET-{i}" for i in range(12)]
+    report = score(sandboxes, "run", [SCANNER] + innocents[:6] + [SCANNER] + innocents[6:])
+    assert report.statuses[0] == report.statuses[7] == Status.OK, report.errors
+    assert [report.values[0], report.values[7]] == [0.0, 0.0]
+    assert report.values[1:7] + report.values[8:] == [0.5] * 12
