@@ -7,7 +7,8 @@ and the template's own copy-on-write faults after every fork; most of what such 
 reward's samples taint their processes, the server asks for its requests to be *forked* (:mod:`.codec`): the slot
 process runs each unit in a child of its own, which inherits all the slot process was given (its uid, its private
 ``/tmp``, the seccomp filter, the limits, the niceness) and nothing any sample did, as the slot process runs no
-reward code on data while it forks.
+reward code on data while it forks. The child decodes its own sample from the request's mapping and unmaps the rest
+before the reward sees it (:class:`.codec.Request`).
 
 Before the next child starts, everything a unit left is gone:
 
