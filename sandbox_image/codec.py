@@ -59,6 +59,7 @@ class MalformedResult(ValueError):
 
 _LENGTH = struct.Struct("<I")
 _SIZE = struct.Struct("<Q")
+_decode = json.JSONDecoder().decode
 SIZE_BYTES = _SIZE.size
 
 
@@ -103,7 +104,7 @@ class Request:
             position += _LENGTH.size + length
         if position != len(data) or not self.offsets:
             raise ValueError("a request that does not end where its last part does")
-        header = json.loads(self._part(0))
+        header = self._part(0)
         if header["samples"] != len(self.offsets) - 1:
             raise ValueError(f"a request of {len(self.offsets) - 1} samples says {header['samples']}")
         self.timeout_s = float(header["timeout_s"])
@@ -114,13 +115,16 @@ class Request:
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    def _part(self, k: int) -> bytes:
+    def _part(self, k: int):
         start, end = self.offsets[k]
-        return self.data[start:end]
+        return _decode(self.data[start:end].decode())
 
     def take(self, indices: Sequence[int]) -> SampleBatch:
         """The samples at ``indices``, decoded (raises ValueError once :meth:`close`d)."""
-        rows = [json.loads(self._part(i + 1)) for i in indices]
+        rows = [self._part(i + 1) for i in indices]
+        if len(rows) == 1:  # a unit of isolation: sample, once per sample: half the time of the general case
+            row = rows[0]
+            return SampleBatch([row[0]], [row[1]], [row[2]], [row[3]], [row[4]], [row[5]] if self.ids else None)
         columns = [list(column) for column in zip(*rows)] if rows else [[] for _ in range(6)]
         return SampleBatch(*columns[:5], columns[5] if self.ids else None)
 
