@@ -247,9 +247,10 @@ def decode_clean_units(data: bytearray, start: int, samples: int, units: int, ma
     return results, start
 
 
-def decode_result(data: bytes, samples: int, max_log_bytes: int, forked: bool = False) -> ChunkResult:
-    """Parses and validates a worker's answer for ``samples`` samples (``forked``: of a forked request, which may
-    report a crash: see _FORKED_STATUSES).
+def _walk(data, samples: int, max_log_bytes: int, forked: bool) -> tuple[list, int, int]:
+    """Checks a worker's answer for ``samples`` samples field by field, reading it in place (``data``: bytes, or a
+    mapping or view of one: nothing of it is copied). Returns ([(status, value or None, error start, error end,
+    seconds) per sample], where the logs start, dropped characters).
 
     Raises:
         MalformedResult: anything at all is off.
@@ -262,13 +263,12 @@ def decode_result(data: bytes, samples: int, max_log_bytes: int, forked: bool = 
     if magic != MAGIC or count != samples:
         raise MalformedResult(f"the worker answered for {count} samples, expected {samples}" if magic == MAGIC
                               else "the worker's answer does not start with the format's magic bytes")
-    values, statuses, errors, times = [], [], [], []
+    fields = []
     offset = _HEADER.size
     for _ in range(count):
         if offset + _SAMPLE.size > len(data):
             raise MalformedResult("the worker's answer is truncated")
         code, has_value, value, error_length, seconds = _SAMPLE.unpack_from(data, offset)
-        times.append(_seconds(seconds))
         offset += _SAMPLE.size
         status = (_FORKED_STATUSES if forked else _WORKER_STATUSES).get(code)
         if status is None or has_value not in (0, 1) or error_length > MAX_ERROR_BYTES:
@@ -276,14 +276,34 @@ def decode_result(data: bytes, samples: int, max_log_bytes: int, forked: bool = 
                                   f"{has_value}, error length {error_length})")
         if has_value and (status is not Status.OK or not math.isfinite(value)):
             raise MalformedResult(f"the worker answered value {value} with status {status}")
-        error = data[offset:offset + error_length]
-        offset += error_length
-        if len(error) != error_length:
+        if offset + error_length > len(data):
             raise MalformedResult("the worker's answer is truncated")
-        values.append(value if has_value else None)
-        statuses.append(status)
-        errors.append(error.decode("utf-8", "replace"))
+        fields.append((status, value if has_value else None, offset, offset + error_length, _seconds(seconds)))
+        offset += error_length
     if offset + log_length != len(data) or log_length > max_log_bytes + LOG_SLACK_BYTES:
         raise MalformedResult("the worker's answer has a wrong length")
-    logs = data[offset:].decode("utf-8", "replace")
-    return ChunkResult(values, statuses, errors, logs, dropped, times)
+    return fields, offset, dropped
+
+
+def check_result(data, samples: int, max_log_bytes: int) -> None:
+    """Checks a worker's answer as :func:`decode_result` does, without making a copy of any of it (a forked
+    request's slot process: :mod:`.forked`).
+
+    Raises:
+        MalformedResult: anything at all is off.
+    """
+    _walk(data, samples, max_log_bytes, forked=False)
+
+
+def decode_result(data: bytes, samples: int, max_log_bytes: int, forked: bool = False) -> ChunkResult:
+    """Parses and validates a worker's answer for ``samples`` samples (``forked``: of a forked request, which may
+    report a crash: see _FORKED_STATUSES).
+
+    Raises:
+        MalformedResult: anything at all is off.
+    """
+    fields, logs_start, dropped = _walk(data, samples, max_log_bytes, forked)
+    return ChunkResult([value for _, value, _, _, _ in fields], [status for status, _, _, _, _ in fields],
+                       [data[start:end].decode("utf-8", "replace") for _, _, start, end, _ in fields],
+                       data[logs_start:].decode("utf-8", "replace"), dropped,
+                       [seconds for _, _, _, _, seconds in fields])

@@ -21,9 +21,12 @@ Before the next child starts, everything a unit left is gone:
 - the child's socket to the program runner is its own (:func:`runner_socket`), so a child killed halfway through a
   request leaves no half frame for the next.
 
-The child answers through a pipe: a length, then one answer in the format the server reads (:mod:`.codec`). The slot
-process reads at most the length one answer may have, by the unit's deadline, and checks it as the server would; an
-answer that breaks the format, or none, becomes the unit's failure, written by this trusted code.
+The child writes its answer (a length, then one answer in the format the server reads: :mod:`.codec`) into a memory
+mapping it shares with the slot process, then one byte into a pipe. The slot process waits for that byte by the
+unit's deadline, cleans up (so nothing can change the answer any more), checks the answer in place as the server
+would, and sends it from the mapping, which it then unmaps: no child's answer (its output, its error text) ever
+passes through the slot process's heap, where the next child, a copy of it, could find it. An answer that breaks
+the format, or none, becomes the unit's failure, written by this trusted code.
 
 What a child can still do to the slot process: signal it (they share a uid), and only while its own unit runs (its
 descendants are gone before the next one starts). Each answer leaves the slot process before the next child starts
@@ -34,6 +37,7 @@ it has no answer for: stopping it (SIGSTOP) makes that unit a ``timeout``, as a 
 
 from __future__ import annotations
 
+import mmap
 import os
 import select
 import signal
@@ -47,6 +51,7 @@ from ..wire import Outcome, Status
 from . import codec, processes, run_requests
 
 _LENGTH = struct.Struct("<I")
+DONE = b"D"  # the child wrote its answer
 # Past the reward's own timeout (which the child enforces itself and answers as ``timeout``), the slot process kills
 # the child: less than the server's HARD_TIMEOUT_MARGIN_S, so the server still gets this unit's answer in time.
 KILL_MARGIN_S = 0.5
@@ -63,13 +68,26 @@ class Forker:
     reaper: bool = False
 
     def run(self, score: Callable[[], bytes], samples: int, timeout_s: float, max_log_bytes: int,
-            request_fd: int, attach: Callable[[Optional[int]], None]) -> tuple[bytes, Optional[str]]:
-        """Runs ``score`` (which returns one unit's encoded answer) in a child and cleans up after it. Returns (its
-        answer, checked, or the unit's failure; why the slot process must retire, or None). The request's socket
-        ``request_fd`` is closed in the child; ``attach(fd)`` gives the child its runner socket."""
+            request_fd: int, attach: Callable[[Optional[int]], None],
+            send: Callable[[memoryview], None]) -> Optional[str]:
+        """Runs ``score`` (which returns one unit's encoded answer) in a child, cleans up after it, and calls
+        ``send`` with its answer, checked, or the unit's failure. Returns why the slot process must retire (None: it
+        may go on). The request's socket ``request_fd`` is closed in the child; ``attach(fd)`` gives the child its
+        runner socket."""
         if not self.reaper:
             processes.become_subreaper()  # what its children leave becomes its own child: see _kill_and_reap
             self.reaper = True
+        limit = codec.result_limit(samples, max_log_bytes)
+        # Shared with the child, which writes its answer there: the answer never passes through this process's heap,
+        # where the next child (a copy of this process) could find it.
+        answer = mmap.mmap(-1, _LENGTH.size + limit)
+        try:
+            return self._run(answer, score, samples, timeout_s, max_log_bytes, request_fd, attach, send)
+        finally:
+            answer.close()
+
+    def _run(self, answer: mmap.mmap, score: Callable[[], bytes], samples: int, timeout_s: float,
+             max_log_bytes: int, request_fd: int, attach: Callable, send: Callable) -> Optional[str]:
         child_runner = runner_socket(self.runner)
         read_end, write_end = os.pipe()
         try:
@@ -79,8 +97,9 @@ class Forker:
                 os.close(fd)
             if child_runner is not None:
                 child_runner.close()
-            return _failure(samples, max_log_bytes, Status.ERROR,
-                            f"rewardbox could not start this sample's process: {e}"), None
+            send(_failure(samples, max_log_bytes, Status.ERROR,
+                          f"rewardbox could not start this sample's process: {e}"))
+            return None
         if pid == 0:
             code = 70
             try:
@@ -90,9 +109,10 @@ class Forker:
                     os.close(fd)
                 attach(None if child_runner is None else child_runner.detach())
                 data = score()
-                payload = _LENGTH.pack(len(data)) + data
-                while payload:
-                    payload = payload[os.write(write_end, payload):]
+                answer[:_LENGTH.size] = _LENGTH.pack(len(data))
+                if len(data) <= len(answer) - _LENGTH.size:
+                    answer[_LENGTH.size:_LENGTH.size + len(data)] = data
+                os.write(write_end, DONE)
                 code = 0
             finally:
                 os._exit(code)
@@ -100,8 +120,7 @@ class Forker:
         if child_runner is not None:
             child_runner.close()
         try:
-            data, failed, why = _read_answer(read_end, codec.result_limit(samples, max_log_bytes),
-                                             time.monotonic() + timeout_s + KILL_MARGIN_S)
+            failed = _wait(read_end, time.monotonic() + timeout_s + KILL_MARGIN_S)
         finally:
             os.close(read_end)
         status, retire = None, None
@@ -110,10 +129,17 @@ class Forker:
             processes.empty(self.scratch)
         except OSError as e:
             retire = f"what a sample left could not be removed: {e}"
-        if data is not None:
+        why = ""
+        if failed is Status.OK:  # nothing of the uid is left: the answer holds still while it is checked and sent
+            (length,) = _LENGTH.unpack_from(answer, 0)
+            limit = len(answer) - _LENGTH.size
             try:
-                codec.decode_result(data, samples, max_log_bytes)
-                return data, retire
+                if length > limit:
+                    raise codec.MalformedResult(f"the answer declared {length} bytes, over the limit of {limit}")
+                with memoryview(answer) as whole, whole[_LENGTH.size:_LENGTH.size + length] as data:
+                    codec.check_result(data, samples, max_log_bytes)
+                    send(data)
+                return retire
             except codec.MalformedResult as e:
                 failed, why = Status.INVALID, str(e)
         if failed is Status.TIMEOUT:
@@ -121,9 +147,10 @@ class Forker:
         elif failed is Status.INVALID:
             why = f"malformed answer from the worker: {why}"
         else:
-            details = "; ".join(d for d in (processes.describe_status(status) if status is not None else "", why) if d)
+            details = processes.describe_status(status) if status is not None else ""
             why = f"worker process died ({details})" if details else "worker process died"
-        return _failure(samples, max_log_bytes, failed, why), retire
+        send(_failure(samples, max_log_bytes, failed, why))
+        return retire
 
 
 def runner_socket(runner: Optional[socket.socket]) -> Optional[socket.socket]:
@@ -143,28 +170,15 @@ def runner_socket(runner: Optional[socket.socket]) -> Optional[socket.socket]:
     return ours
 
 
-def _read_answer(fd: int, limit: int, deadline: float) -> tuple[Optional[bytes], Status, str]:
-    """(the child's answer or None, and when None, the unit's status (timeout: the deadline passed first; invalid:
-    a length over ``limit``; crash: it ended without a whole answer) and what to add). The answer is its declared
-    length of bytes after the length itself."""
-    data = b""
-    wanted = _LENGTH.size
+def _wait(fd: int, deadline: float) -> Status:
+    """Waits for the child's DONE byte: ok when it came, timeout when the deadline passed first, crash when the
+    pipe closed without it."""
     poller = select.poll()
     poller.register(fd, select.POLLIN)
-    while len(data) < wanted:
-        left = deadline - time.monotonic()
-        if left <= 0 or not poller.poll(left * 1000):
-            return None, Status.TIMEOUT, ""
-        chunk = os.read(fd, min(wanted - len(data), 1 << 16))
-        if not chunk:
-            return None, Status.CRASH, f"its answer ended after {len(data)} of {wanted} bytes" if data else ""
-        data += chunk
-        if wanted == _LENGTH.size and len(data) == wanted:
-            (length,) = _LENGTH.unpack(data)
-            if length > limit:
-                return None, Status.INVALID, f"the answer declared {length} bytes, over the limit of {limit}"
-            wanted += length
-    return data[_LENGTH.size:], Status.OK, ""
+    left = deadline - time.monotonic()
+    if left <= 0 or not poller.poll(left * 1000):
+        return Status.TIMEOUT
+    return Status.OK if os.read(fd, 1) == DONE else Status.CRASH
 
 
 def _kill_and_reap(pid: int) -> Optional[int]:

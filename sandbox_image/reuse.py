@@ -192,11 +192,6 @@ def begin(fd: int, index: int, on_taint: Optional[Callable[[], None]] = None) ->
     _WATCH.fd, _WATCH.index, _WATCH.on_taint = fd, index, on_taint
 
 
-def answer_to(fd: int) -> None:
-    """Queued answers go to the request on socket ``fd``, while no sample runs in this process (:mod:`.forked`)."""
-    _WATCH.fd, _WATCH.index, _WATCH.on_taint = fd, -1, None
-
-
 def end() -> Optional[str]:
     """The running sample ended. Returns what tainted the process (None: nothing did)."""
     _WATCH.index = -1

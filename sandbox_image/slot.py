@@ -259,10 +259,10 @@ async def _score_unit(loaded: worker.Loaded, samples, timeout_s: float, state) -
 async def _score_units(loaded: worker.Loaded, sock: socket.socket, request: codec.Request, reusable: bool,
                        forker: Optional[forked.Forker] = None) -> bool:
     """Scores the units of a streamed request in order (with a ``forker``, each in a child: :mod:`.forked`; a sync
-    reward's only). Each answer is queued and sent at least every FLUSH_S (forked: before the next child starts),
-    and always before the marker of a taint (the audit hook sends them: :mod:`.reuse`), so what a clean unit
-    answered is out of this process before any code from data runs in it; the state check runs before each sending.
-    Returns whether this process may serve another request."""
+    reward's only, each answer sent from the child's mapping before the next child starts). Each answer is queued and
+    sent at least every FLUSH_S, and always before the marker of a taint (the audit hook sends them: :mod:`.reuse`),
+    so what a clean unit answered is out of this process before any code from data runs in it; the state check runs
+    before each sending. Returns whether this process may serve another request."""
     try:
         trainer_state = trainer_state_from_dict(request.trainer_state)
     except BaseException:  # noqa: BLE001
@@ -272,7 +272,6 @@ async def _score_units(loaded: worker.Loaded, sock: socket.socket, request: code
     retire = None
     try:
         if forker is not None:
-            reuse.answer_to(sock.fileno())
             sock.sendall(codec.FORKING)
         for k, indices in enumerate(_units(loaded, request)):
             if forker is not None:
@@ -283,24 +282,27 @@ async def _score_units(loaded: worker.Loaded, sock: socket.socket, request: code
                     outcomes, logs, dropped = _run_coroutine(_score_unit(loaded, samples, timeout_s, trainer_state))
                     return codec.encode_result(outcomes, logs, dropped, max_log_bytes, time.perf_counter() - started)
 
-                answer, retire = forker.run(score, len(indices), timeout_s, max_log_bytes, sock.fileno(),
-                                            execution.attach_child)
-            else:
-                samples = request.take(indices)
-                reuse.begin(sock.fileno(), k, request.close)  # a taint unmaps the request before its code runs
-                started = time.perf_counter()
-                try:
-                    outcomes, logs, dropped = await _score_unit(loaded, samples, timeout_s, trainer_state)
-                finally:
-                    tainted = reuse.end()
-                answer = codec.encode_result(outcomes, logs, dropped, max_log_bytes, time.perf_counter() - started)
-                retire = tainted or _retire_reason(outcomes, reusable)
+                # Each answer is sent before the next child starts: whatever stalls or ends this process then (a
+                # child may signal it) is the fault of the first unit the server has no answer for.
+                retire = forker.run(score, len(indices), timeout_s, max_log_bytes, sock.fileno(),
+                                    execution.attach_child, sock.sendall)
+                sock.sendall(reuse.marker(k, retire) if retire else reuse.CLEAN)
+                if retire:
+                    break
+                continue
+            samples = request.take(indices)
+            reuse.begin(sock.fileno(), k, request.close)  # a taint unmaps the request before its code runs
+            started = time.perf_counter()
+            try:
+                outcomes, logs, dropped = await _score_unit(loaded, samples, timeout_s, trainer_state)
+            finally:
+                tainted = reuse.end()
+            answer = codec.encode_result(outcomes, logs, dropped, max_log_bytes, time.perf_counter() - started)
+            retire = tainted or _retire_reason(outcomes, reusable)
             reuse.queue(k, answer, reuse.marker(k, retire) if retire else reuse.CLEAN)
             if retire:
                 break
-            # Forked, each answer is sent before the next child starts: whatever stalls or ends this process then
-            # (a child may signal it) is the fault of the first unit the server has no answer for.
-            if forker is not None or time.monotonic() - flushed >= FLUSH_S:
+            if time.monotonic() - flushed >= FLUSH_S:
                 if reuse.flush() is not None:
                     return False
                 flushed = time.monotonic()

@@ -369,3 +369,15 @@ def test_no_sample_finds_the_text_of_its_requests_other_samples_in_its_memory(sa
     assert report.statuses[0] == report.statuses[7] == Status.OK, report.errors
     assert [report.values[0], report.values[7]] == [0.0, 0.0]
     assert report.values[1:7] + report.values[8:] == [0.5] * 12
+
+
+def test_no_sample_finds_what_earlier_samples_of_its_slot_printed_or_raised_in_its_memory(sandboxes):
+    # Forked, a child is a copy of its slot process: a child's answer (its output, its error text) goes from a
+    # mapping it shares with the slot process straight to the server, never through the slot process's heap, where
+    # the next child would find it. It used to: a scanner found the error text of the sample before it.
+    printers = [f"print('LEAK-' + str({i} * 7))\nscore = 0.5" for i in range(8)]
+    raisers = [f"raise ValueError('LEAK-' + str({i} * 7))" for i in range(8, 12)]
+    scanner = SCANNER.replace("SECRET-", "LEAK-")
+    report = score(sandboxes, "run", printers + raisers + [scanner] * 4)
+    assert report.values[:8] == [0.5] * 8 and report.statuses[8:12] == [Status.ERROR] * 4, report.errors
+    assert report.values[12:] == [0.0] * 4, (report.values[12:], report.errors[12:])
