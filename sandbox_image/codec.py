@@ -37,6 +37,9 @@ from .records import ChunkResult, SampleBatch
 
 STARTED = b"S"
 FORKING = b"F"  # a forked request's first byte after STARTED: the slot process runs its units in children
+# ... or, instead, the slot process retires without running any: it scored units itself before, and its children
+# would inherit what they left in its memory. Its units go to another process.
+RETIRING = b"X"
 MAGIC = b"RBX1"
 _HEADER = struct.Struct("<4sIQI")
 _SAMPLE = struct.Struct("<BBdIf")

@@ -120,7 +120,7 @@ class Forker:
         if child_runner is not None:
             child_runner.close()
         try:
-            failed = _wait(read_end, time.monotonic() + timeout_s + KILL_MARGIN_S)
+            failed, why = _wait(read_end, time.monotonic() + timeout_s + KILL_MARGIN_S)
         finally:
             os.close(read_end)
         status, retire = None, None
@@ -129,7 +129,6 @@ class Forker:
             processes.empty(self.scratch)
         except OSError as e:
             retire = f"what a sample left could not be removed: {e}"
-        why = ""
         if failed is Status.OK:  # nothing of the uid is left: the answer holds still while it is checked and sent
             (length,) = _LENGTH.unpack_from(answer, 0)
             limit = len(answer) - _LENGTH.size
@@ -170,15 +169,18 @@ def runner_socket(runner: Optional[socket.socket]) -> Optional[socket.socket]:
     return ours
 
 
-def _wait(fd: int, deadline: float) -> Status:
-    """Waits for the child's DONE byte: ok when it came, timeout when the deadline passed first, crash when the
-    pipe closed without it."""
+def _wait(fd: int, deadline: float) -> tuple[Status, str]:
+    """Waits for the child's DONE byte: (ok when it came, timeout when the deadline passed first, crash when the
+    pipe closed without it, invalid when something else came; and what to add)."""
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     left = deadline - time.monotonic()
     if left <= 0 or not poller.poll(left * 1000):
-        return Status.TIMEOUT
-    return Status.OK if os.read(fd, 1) == DONE else Status.CRASH
+        return Status.TIMEOUT, ""
+    byte = os.read(fd, 1)
+    if not byte:
+        return Status.CRASH, ""
+    return (Status.OK, "") if byte == DONE else (Status.INVALID, f"{byte!r} came where the done byte belongs")
 
 
 def _kill_and_reap(pid: int) -> Optional[int]:

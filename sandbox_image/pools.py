@@ -424,6 +424,9 @@ class FunctionPool:
         try:
             if forked:  # a slot process that forks says so first; one that cannot (gVisor, local) never will
                 await reader.fill(1, loop.time() + unit_s)
+                if reader.peek() == codec.RETIRING:  # it scored samples itself before: every unit goes back
+                    streamed.retired = True
+                    return streamed
                 forked = reader.peek() == codec.FORKING
                 if forked:
                     reader.take(1)
@@ -439,6 +442,14 @@ class FunctionPool:
                     streamed.answered += clean
                     k += len(clean)
                     continue
+                if reader.peek() == reuse.WITHDRAW:  # this unit goes back too, to a process that scored no other
+                    index, reason = await self._marker(reader, deadline_s)
+                    if index != k:
+                        raise codec.MalformedResult(f"a marker names sample {index} while sample {k} runs")
+                    self._note_taint(reason)
+                    self._fork_left = FORKED_SAMPLES
+                    streamed.retired = True
+                    return streamed
                 tainted = reader.peek() == reuse.MARK
                 if tainted:
                     index, reason = await self._marker(reader, deadline_s)

@@ -34,6 +34,9 @@ from typing import Any, Callable, Iterator, Optional
 
 CLEAN = b"C"
 MARK = b"T"
+# A marker of this kind says: the sample is scored again elsewhere (none of its answer counts). A process that scored
+# other samples before holds their text in freed memory; code from data never runs there (see _Watch.hook).
+WITHDRAW = b"W"
 _MARKER = struct.Struct("<cIB")  # MARK, the sample's index in its request, length of the reason that follows
 MAX_REASON = 120
 
@@ -45,10 +48,11 @@ HARMLESS = frozenset({
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 
-def marker(index: int, reason: str) -> bytes:
-    """The bytes that tell the server that sample ``index`` of a request tainted its process, and why."""
+def marker(index: int, reason: str, kind: bytes = MARK) -> bytes:
+    """The bytes that tell the server that sample ``index`` of a request tainted its process, and why (``kind``
+    WITHDRAW: and that it must be scored again in another process)."""
     data = reason.encode("ascii", "backslashreplace")[:MAX_REASON]
-    return _MARKER.pack(MARK, index, len(data)) + data
+    return _MARKER.pack(kind, index, len(data)) + data
 
 
 MARKER_HEAD = _MARKER.size
@@ -83,6 +87,8 @@ class _Watch:
         self.check: Optional[StateCheck] = None
         self.withdrawn: Optional[str] = None
         self.on_taint: Optional[Callable[[], None]] = None  # the running request's: unmaps its other samples
+        self.fresh = True  # no sample ran in this process before the running one
+        self.refusing = False  # the running sample was withdrawn: every further event of it is refused
 
     def flush(self, then: bytes = b"", checked: bool = False) -> None:
         """Sends what is pending, then ``then``. Before that, while the process is clean, the state check runs. The
@@ -103,10 +109,12 @@ class _Watch:
             data = data[os.write(self.fd, data):]
 
     def hook(self, event: str, args: tuple) -> None:
-        if self.index < 0 or self.paused or self.tainted is not None:
+        if self.index < 0 or self.paused or (self.tainted is not None and not self.refusing):
             return
         if event in HARMLESS or (event == "open" and _read_only(args)):
             return
+        if self.refusing:
+            raise RuntimeError(_REFUSED)
         try:
             detail = repr(args[0])[:60] if args else ""
         except BaseException:  # noqa: BLE001 - an argument whose repr raises
@@ -114,16 +122,23 @@ class _Watch:
         self.tainted = f"{event} {detail}".strip()  # first: the check below may raise events of its own
         try:
             # the answers of earlier samples (checked), then the marker: before the event's code can run
-            self.flush(then=marker(self.index, self.tainted), checked=True)
+            self.flush(then=marker(self.index, self.tainted, MARK if self.fresh else WITHDRAW), checked=True)
             if self.on_taint is not None:
                 self.on_taint()  # the request's later samples go elsewhere: their text leaves this process first
         except (OSError, BufferError):
             # The server is gone or the socket was closed, or the request could not be unmapped: the event must not
             # happen unreported, nor with the other samples readable.
             raise RuntimeError("rewardbox: this sample's process could not report an operation; refused") from None
+        if not self.fresh:
+            # Earlier samples' text may linger in this process's freed memory, where code from data could read it:
+            # the event is refused, and the server scores this sample again in a process that ran no other.
+            self.refusing = True
+            raise RuntimeError(_REFUSED)
 
 
 _WATCH = _Watch()
+_REFUSED = ("rewardbox: refused in a process that scored other samples; this sample is scored again in a fresh "
+            "process (nothing of this attempt counts)")
 
 
 # What CPython 3.11 does not audit but could leave state for a later sample (a thread, a timer, a signal handler or
@@ -186,10 +201,10 @@ def flush() -> Optional[str]:
     return _WATCH.withdrawn
 
 
-def begin(fd: int, index: int, on_taint: Optional[Callable[[], None]] = None) -> None:
-    """Sample ``index`` of the request on socket ``fd`` starts running; a taint calls ``on_taint`` after the marker
-    is sent, before the event's code runs."""
-    _WATCH.fd, _WATCH.index, _WATCH.on_taint = fd, index, on_taint
+def begin(fd: int, index: int, on_taint: Optional[Callable[[], None]] = None, fresh: bool = True) -> None:
+    """Sample ``index`` of the request on socket ``fd`` starts running (``fresh``: the first in this process); a
+    taint calls ``on_taint`` after the marker is sent, before the event's code runs."""
+    _WATCH.fd, _WATCH.index, _WATCH.on_taint, _WATCH.fresh = fd, index, on_taint, fresh
 
 
 def end() -> Optional[str]:

@@ -234,6 +234,7 @@ def _retire_reason(outcomes: list, reusable: bool) -> Optional[str]:
 
 
 FLUSH_S = 0.002  # answers of clean samples are sent together, at least this often (and before any taint's marker)
+_scored_here = 0  # units this process scored itself (not in children): their text may linger in its freed memory
 
 
 def _units(loaded: worker.Loaded, request: codec.Request) -> list:
@@ -270,8 +271,12 @@ async def _score_units(loaded: worker.Loaded, sock: socket.socket, request: code
     timeout_s, max_log_bytes = request.timeout_s, loaded.config.max_log_bytes
     flushed = time.monotonic()
     retire = None
+    global _scored_here
     try:
         if forker is not None:
+            if _scored_here:  # its children would inherit what those units left in its memory
+                sock.sendall(codec.RETIRING)
+                return False
             sock.sendall(codec.FORKING)
         for k, indices in enumerate(_units(loaded, request)):
             if forker is not None:
@@ -291,7 +296,9 @@ async def _score_units(loaded: worker.Loaded, sock: socket.socket, request: code
                     break
                 continue
             samples = request.take(indices)
-            reuse.begin(sock.fileno(), k, request.close)  # a taint unmaps the request before its code runs
+            # a taint unmaps the request before its code runs; after another unit here, it withdraws this one
+            reuse.begin(sock.fileno(), k, request.close, fresh=not _scored_here)
+            _scored_here += 1
             started = time.perf_counter()
             try:
                 outcomes, logs, dropped = await _score_unit(loaded, samples, timeout_s, trainer_state)

@@ -84,6 +84,16 @@ def act(prompt, completion, example):
     return os.getpid() * 1000.0 + time.monotonic() % 1000
 
 
+def mixed(prompt, completion, example):
+    """Pure for most completions; runs the code of those that start with "code:" (a reward that runs code only
+    sometimes)."""
+    if not completion.startswith("code:"):
+        return 0.5 if PATTERN.search(completion) else 0.0
+    namespace = {}
+    exec(completion[5:], namespace)
+    return namespace.get("score")
+
+
 def run(prompt, completion, example):
     """Runs the completion: model-written code in the reward's own process."""
     if getattr(builtins, "poisoned", False) or SEEN or os.listdir("."):
@@ -104,7 +114,7 @@ def sandboxes(request, tmp_path_factory, docker_client, base_image):
     started = sandboxes_on_runtime(request, tmp_path_factory, docker_client, base_image, REWARDS, [
         {"name": "pid", **common}, {"name": "pid_fresh", "function": "pid", "isolation": "process", **common},
         {"name": "pid_worker", "function": "pid", "isolation": "worker", **common},
-        {"name": "act", **common}, {"name": "run", **common}])
+        {"name": "act", **common}, {"name": "run", **common}, {"name": "mixed", **common}])
     yield started
     started.stop()
 
@@ -381,3 +391,16 @@ def test_no_sample_finds_what_earlier_samples_of_its_slot_printed_or_raised_in_i
     report = score(sandboxes, "run", printers + raisers + [scanner] * 4)
     assert report.values[:8] == [0.5] * 8 and report.statuses[8:12] == [Status.ERROR] * 4, report.errors
     assert report.values[12:] == [0.0] * 4, (report.values[12:], report.errors[12:])
+
+
+def test_code_from_a_completion_never_runs_where_other_samples_were_scored(sandboxes):
+    # A reward that runs code only sometimes scores its other samples in processes it reuses, whose freed memory
+    # may still hold their text. A sample that then runs code there is withdrawn before its code runs (the event
+    # is refused) and scored again in a process that scored no other, or forked by one (a used slot process does
+    # not fork: it retires). So the scanners find nothing, and every sample is still scored exactly once.
+    clean = [f"<answer>1</answer> SECRET-{i} " + "x" * (600 + 97 * i) for i in range(24)]  # sizes malloc keeps apart
+    scanner = "code:" + SCANNER
+    report = score(sandboxes, "mixed", clean[:12] + [scanner] + clean[12:] + [scanner])
+    assert report.values[:12] + report.values[13:25] == [0.5] * 24, report.errors
+    assert [report.values[12], report.values[25]] == [0.0, 0.0], (report.errors[12], report.errors[25])
+    assert report.statuses[12] == report.statuses[25] == Status.OK
