@@ -7,7 +7,10 @@ kernel keyrings and userfaultfd. It also refuses new namespaces and mounts (``un
 with a namespace flag, ``mount`` and the new mount API, ``pivot_root``, ``chroot``), ``bpf`` and
 ``perf_event_open``: a container that holds ``SYS_ADMIN`` for the private ``/tmp`` (:mod:`.private_tmp`) has
 Docker's seccomp profile let these through, and a sample must not make a user namespace (the kernel code that
-opens to an unprivileged user is large) nor change its mounts (its ``/tmp``). ``clone3`` answers ENOSYS (its flags
+opens to an unprivileged user is large) nor change its mounts (its ``/tmp``). ``prlimit64`` and the
+``sched_set*`` calls work on the calling process only (pid 0): a sample forked by its slot process shares its uid,
+and could otherwise lower the limits, the CPUs or the scheduling class that every later child of it inherits
+(:mod:`.forked`). ``clone3`` answers ENOSYS (its flags
 are in memory a filter cannot read; the C library falls back to ``clone``). A system call of another architecture
 or ABI (x32) kills the process. Standard library only (ctypes for prctl).
 
@@ -47,6 +50,7 @@ _DENIED = ("shmget", "shmat", "shmctl", "shmdt", "semget", "semop", "semtimedop"
            "userfaultfd", "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "open_tree", "move_mount",
            "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "bpf", "perf_event_open")
 _NO_NETWORK = ("socket", "io_uring_setup", "io_uring_enter", "io_uring_register")
+_SELF_ONLY = ("prlimit64", "sched_setaffinity", "sched_setscheduler", "sched_setparam", "sched_setattr")
 _TABLES = {
     "x86_64": (0xC000003E, 0x40000000, {"socket": 41, "io_uring_setup": 425, "io_uring_enter": 426,
                                         "io_uring_register": 427,
@@ -57,7 +61,8 @@ _TABLES = {
         "userfaultfd": 323, "clone": 56, "clone3": 435, "unshare": 272, "setns": 308, "mount": 165,
         "umount2": 166, "pivot_root": 155, "chroot": 161, "open_tree": 428, "move_mount": 429, "fsopen": 430,
         "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442, "bpf": 321,
-        "perf_event_open": 298}),
+        "perf_event_open": 298, "prlimit64": 302, "sched_setaffinity": 203, "sched_setscheduler": 144,
+        "sched_setparam": 142, "sched_setattr": 314}),
     "aarch64": (0xC00000B7, None, {"socket": 198, "io_uring_setup": 425, "io_uring_enter": 426,
                                    "io_uring_register": 427,
         "mq_open": 180, "mq_unlink": 181, "mq_timedsend": 182, "mq_timedreceive": 183, "mq_notify": 184,
@@ -67,7 +72,8 @@ _TABLES = {
         "process_vm_writev": 271, "userfaultfd": 282, "clone": 220, "clone3": 435, "unshare": 97, "setns": 268,
         "mount": 40, "umount2": 39, "pivot_root": 41, "chroot": 51, "open_tree": 428, "move_mount": 429,
         "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442, "bpf": 280,
-        "perf_event_open": 241}),
+        "perf_event_open": 241, "prlimit64": 261, "sched_setaffinity": 122, "sched_setscheduler": 119,
+        "sched_setparam": 118, "sched_setattr": 274}),
 }
 
 
@@ -97,7 +103,11 @@ def program(machine: str, network: bool = True) -> bytes:
     code.append(("denied", None, None, None))
     for number in denied:
         code.append((_JEQ_K, "eperm", None, number))
+    for number in sorted(numbers[name] for name in _SELF_ONLY):
+        code.append((_JEQ_K, "self", None, number))
     code += [(_RET_K, None, None, _RET_ALLOW),
+             ("self", None, None, None), (_LD_W_ABS, None, None, _ARG0_LOW),  # the pid (a 32-bit int)
+             (_JEQ_K, "allow", "eperm", 0),
              ("clone", None, None, None), (_LD_W_ABS, None, None, _ARG0_LOW),
              (_JSET_K, "eperm", "allow", _NAMESPACE_FLAGS),
              ("allow", None, None, None), (_RET_K, None, None, _RET_ALLOW),
