@@ -36,6 +36,7 @@ import selectors
 import signal
 import socket
 import stat
+import struct
 import sys
 import time
 from dataclasses import dataclass
@@ -100,6 +101,8 @@ class Monitor:
     def __init__(self, slot: RunSlot, sock: Optional[socket.socket]):
         self.slot = slot
         self.sock = sock  # the slot's socket: its closing means the caller is gone
+        if sock is not None:
+            _bound_sends(sock)
         self.session = 0  # local backend: the last program's session, to kill
         self.frame_limit = MAX_MONITORED_REQUEST if slot.uid is not None else MAX_REQUEST
         if slot.uid is not None and slot.memory:
@@ -514,7 +517,10 @@ class Monitor:
             try:
                 message = read_frame(self.sock, self.frame_limit)
             except RequestError as e:
-                write_frame(self.sock, {"error": f"rewardbox.sandbox.run: {e}"})
+                try:
+                    write_frame(self.sock, {"error": f"rewardbox.sandbox.run: {e}"})
+                except OSError:
+                    pass
                 return 0  # the stream cannot be trusted to be at a frame boundary any more
             except OSError:
                 return CLOSED
@@ -546,10 +552,21 @@ class Monitor:
         slot_socket, self.sock = self.sock, socket.socket(fileno=fds[0])
         try:
             self.sock.setblocking(True)
+            _bound_sends(self.sock)
             self._serve(nested=True)
         finally:
             self.sock.close()
             self.sock = slot_socket
+
+
+SEND_TIMEOUT_S = 2
+
+
+def _bound_sends(sock: socket.socket) -> None:
+    """A reply that makes no progress for SEND_TIMEOUT_S fails (and its socket is served no more). A caller waits
+    for its reply, reading; one that does not may also hold the socket open past its own death (its end sent over
+    the socket itself, in flight in our receive queue), and a monitor blocked writing would never serve again."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("@ll", SEND_TIMEOUT_S, 0))
 
 
 def _start_monitor(slot: RunSlot, sock: socket.socket, keep: tuple = ()) -> int:

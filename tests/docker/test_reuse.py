@@ -404,3 +404,54 @@ def test_code_from_a_completion_never_runs_where_other_samples_were_scored(sandb
     assert report.values[:12] + report.values[13:25] == [0.5] * 24, report.errors
     assert [report.values[12], report.values[25]] == [0.0, 0.0], (report.errors[12], report.errors[25])
     assert report.statuses[12] == report.statuses[25] == Status.OK
+
+
+def test_a_sample_cannot_change_the_limits_or_the_scheduling_of_the_process_that_forked_it(sandboxes):
+    # Forked, a sample shares its uid with its slot process, whose limits, CPUs and scheduling class every later
+    # child inherits: the seccomp filter lets prlimit and sched_set* act on the caller alone. (They did lower its
+    # process limit to 0, and every later sample of that slot failed to start.)
+    attacker = textwrap.dedent("""
+        import os, resource
+        parent, done = os.getppid(), 0
+        for attempt in (lambda: resource.prlimit(parent, resource.RLIMIT_NPROC, (0, 0)),
+                        lambda: resource.prlimit(parent, resource.RLIMIT_AS, (1 << 20, 1 << 20)),
+                        lambda: resource.prlimit(parent, resource.RLIMIT_CPU, (0, 0)),
+                        lambda: os.sched_setaffinity(parent, {0}),
+                        lambda: os.sched_setscheduler(parent, os.SCHED_IDLE, os.sched_param(0))):
+            try:
+                attempt()
+                done += 1
+            except OSError:
+                pass
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # its own: allowed
+        score = float(done)
+    """)
+    report, _ = _innocents_after(sandboxes, [attacker] * 3, "score = 0.5", 0.5, 12)
+    assert report.values[:3] == [0.0] * 3, report.errors[:3]
+    _innocents_after(sandboxes, [], "score = 0.5", 0.5, 16)
+
+
+def test_a_sample_that_stops_reading_its_program_runner_holds_up_no_later_sample(sandboxes):
+    # A sample asks for a program with a large output, never reads the reply, and sends its own end of the socket
+    # over the socket itself: that end is in flight in the runner's receive queue, so the socket never closes. A
+    # runner that waited to write the reply served that slot no more; a reply that makes no progress now fails.
+    wedge = textwrap.dedent("""
+        import socket, time
+        from rewardbox.sandbox import execution, run_requests
+        sock = execution._connect().sock
+        code = "import sys; sys.stdout.write('x' * (1 << 20)); sys.stderr.write('y' * (1 << 20))"
+        run_requests.write_frame(sock, {
+            "language": "python", "code": code, "files": {}, "runs": [{"stdin": "", "args": []}], "timeout_s": 5,
+            "memory_mb": 256, "max_output_bytes": 1 << 20, "compile_timeout_s": 30})
+        time.sleep(1.5)
+        socket.send_fds(sock, [b"z"], [sock.fileno()])
+        score = 1.0
+    """)
+    runs = textwrap.dedent("""
+        from rewardbox.sandbox import run
+        result = run("print(6 * 7)")
+        score = 0.75 if result.stdout.strip() == "42" else 0.0
+    """)
+    _innocents_after(sandboxes, [wedge] * 2, runs, 0.75, 6)
+    _, elapsed = _innocents_after(sandboxes, [], runs, 0.75, 8)
+    assert elapsed < TIMEOUT_S + 5, elapsed
