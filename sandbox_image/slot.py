@@ -264,6 +264,7 @@ async def _score_units(loaded: worker.Loaded, sock: socket.socket, request: code
     sent at least every FLUSH_S, and always before the marker of a taint (the audit hook sends them: :mod:`.reuse`),
     so what a clean unit answered is out of this process before any code from data runs in it; the state check runs
     before each sending. Returns whether this process may serve another request."""
+    global _scored_here
     try:
         trainer_state = trainer_state_from_dict(request.trainer_state)
     except BaseException:  # noqa: BLE001
@@ -271,7 +272,6 @@ async def _score_units(loaded: worker.Loaded, sock: socket.socket, request: code
     timeout_s, max_log_bytes = request.timeout_s, loaded.config.max_log_bytes
     flushed = time.monotonic()
     retire = None
-    global _scored_here
     try:
         if forker is not None:
             if _scored_here:  # its children would inherit what those units left in its memory
