@@ -3,9 +3,9 @@
 It refuses (EPERM) the system calls that would give a sample state outside its own processes and files, or reach
 into other processes: SysV IPC and POSIX message queues (objects that outlive the sample; gVisor ignores the
 sysctls that switch them off under runc), ptrace and process_vm_* (tracing, and tracees that cannot be stopped),
-kernel keyrings and userfaultfd. It also refuses new namespaces and mounts (``unshare``, ``setns``, ``clone``
-with a namespace flag, ``mount`` and the new mount API, ``pivot_root``, ``chroot``), ``bpf`` and
-``perf_event_open``: a container that holds ``SYS_ADMIN`` for the private ``/tmp`` (:mod:`.private_tmp`) has
+kernel keyrings, userfaultfd and ``ioprio_set`` (it can set the I/O class of the uid's other processes). It also
+refuses new namespaces and mounts (``unshare``, ``setns``, ``clone`` with a namespace flag, ``mount`` and the new
+mount API, ``pivot_root``, ``chroot``), ``bpf`` and ``perf_event_open``: a container that holds ``SYS_ADMIN`` for the private ``/tmp`` (:mod:`.private_tmp`) has
 Docker's seccomp profile let these through, and a sample must not make a user namespace (the kernel code that
 opens to an unprivileged user is large) nor change its mounts (its ``/tmp``). ``prlimit64`` and the
 ``sched_set*`` calls work on the calling process only (pid 0): a sample forked by its slot process shares its uid,
@@ -48,7 +48,7 @@ _DENIED = ("shmget", "shmat", "shmctl", "shmdt", "semget", "semop", "semtimedop"
            "msgrcv", "msgctl", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify",
            "mq_getsetattr", "ptrace", "process_vm_readv", "process_vm_writev", "add_key", "request_key", "keyctl",
            "userfaultfd", "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "open_tree", "move_mount",
-           "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "bpf", "perf_event_open")
+           "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "bpf", "perf_event_open", "ioprio_set")
 _NO_NETWORK = ("socket", "io_uring_setup", "io_uring_enter", "io_uring_register")
 _SELF_ONLY = ("prlimit64", "sched_setaffinity", "sched_setscheduler", "sched_setparam", "sched_setattr")
 _TABLES = {
@@ -61,7 +61,7 @@ _TABLES = {
         "userfaultfd": 323, "clone": 56, "clone3": 435, "unshare": 272, "setns": 308, "mount": 165,
         "umount2": 166, "pivot_root": 155, "chroot": 161, "open_tree": 428, "move_mount": 429, "fsopen": 430,
         "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442, "bpf": 321,
-        "perf_event_open": 298, "prlimit64": 302, "sched_setaffinity": 203, "sched_setscheduler": 144,
+        "perf_event_open": 298, "ioprio_set": 251, "prlimit64": 302, "sched_setaffinity": 203, "sched_setscheduler": 144,
         "sched_setparam": 142, "sched_setattr": 314}),
     "aarch64": (0xC00000B7, None, {"socket": 198, "io_uring_setup": 425, "io_uring_enter": 426,
                                    "io_uring_register": 427,
@@ -72,7 +72,7 @@ _TABLES = {
         "process_vm_writev": 271, "userfaultfd": 282, "clone": 220, "clone3": 435, "unshare": 97, "setns": 268,
         "mount": 40, "umount2": 39, "pivot_root": 41, "chroot": 51, "open_tree": 428, "move_mount": 429,
         "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442, "bpf": 280,
-        "perf_event_open": 241, "prlimit64": 261, "sched_setaffinity": 122, "sched_setscheduler": 119,
+        "perf_event_open": 241, "ioprio_set": 30, "prlimit64": 261, "sched_setaffinity": 122, "sched_setscheduler": 119,
         "sched_setparam": 118, "sched_setattr": 274}),
 }
 
