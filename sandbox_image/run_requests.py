@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import select
 import socket
 import struct
 from dataclasses import dataclass
@@ -34,9 +35,11 @@ def write_frame(sock: socket.socket, message: dict) -> None:
     sock.sendall(_LENGTH.pack(len(data)) + data)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> Optional[bytes]:
+def _recv_exact(sock: socket.socket, n: int, watch: Optional[socket.socket] = None) -> Optional[bytes]:
     chunks, size = [], 0
     while size < n:
+        if watch is not None and watch in select.select([sock, watch], [], [])[0]:
+            return None  # as if ``sock`` closed: see read_frame
         data = sock.recv(min(n - size, 1 << 20))
         if not data:
             return None
@@ -45,19 +48,20 @@ def _recv_exact(sock: socket.socket, n: int) -> Optional[bytes]:
     return b"".join(chunks)
 
 
-def read_frame(sock: socket.socket, limit: int) -> Optional[dict]:
-    """One JSON object, or None when the peer closed the socket.
+def read_frame(sock: socket.socket, limit: int, watch: Optional[socket.socket] = None) -> Optional[dict]:
+    """One JSON object, or None when the peer closed the socket (or, with ``watch``, as soon as ``watch`` has
+    something to read).
 
     Raises:
         RequestError: over ``limit`` bytes, or not a JSON object.
     """
-    header = _recv_exact(sock, _LENGTH.size)
+    header = _recv_exact(sock, _LENGTH.size, watch)
     if header is None:
         return None
     (length,) = _LENGTH.unpack(header)
     if length > limit:
         raise RequestError(f"a request of {length} bytes is over the limit of {limit}")
-    data = _recv_exact(sock, length)
+    data = _recv_exact(sock, length, watch)
     if data is None:
         return None
     try:

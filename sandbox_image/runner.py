@@ -101,6 +101,9 @@ class Monitor:
     def __init__(self, slot: RunSlot, sock: Optional[socket.socket]):
         self.slot = slot
         self.sock = sock  # the slot's socket: its closing means the caller is gone
+        # While a child's socket is served (self.sock then): the slot process's, which it writes to only once that
+        # child is gone (the next child's CHANNEL frame), whoever still holds the child's socket open.
+        self.parent: Optional[socket.socket] = None
         if sock is not None:
             _bound_sends(sock)
         self.session = 0  # local backend: the last program's session, to kill
@@ -299,8 +302,9 @@ class Monitor:
         os.set_blocking(wake_w, False)
         old_wakeup = signal.set_wakeup_fd(wake_w)
         selector.register(wake_r, selectors.EVENT_READ)
-        if self.sock is not None:
-            selector.register(self.sock, selectors.EVENT_READ)
+        for sock in (self.sock, self.parent):
+            if sock is not None:
+                selector.register(sock, selectors.EVENT_READ)
         deadline = start + limits.timeout_s
         next_poll = start + MEMORY_POLL_S if self.slot.uid is not None else math.inf
         killed_for, status_word, usage = None, None, None
@@ -317,11 +321,11 @@ class Monitor:
                     next_poll = now + MEMORY_POLL_S
                 for key, _ in selector.select(timeout=min(deadline, next_poll) - now):
                     fd = key.fileobj
-                    if fd is self.sock:
+                    if fd is self.sock or fd is self.parent:
                         # Its end closed, or it wrote while its request runs, which rewardbox.sandbox.run never does
                         # (one request at a time per socket, waited for). Ignoring those bytes would mean no longer
                         # watching for the close: a sample's program would outlive it and hold up the slot's next
-                        # samples for its whole timeout.
+                        # samples for its whole timeout. (The parent: the child is gone.)
                         raise SlotGone()
                     elif fd == wake_r:
                         try:
@@ -353,8 +357,9 @@ class Monitor:
                     status_word, usage = status, rusage
         finally:
             signal.set_wakeup_fd(old_wakeup)
-            if self.sock is not None and self.sock in selector.get_map():
-                selector.unregister(self.sock)
+            for sock in (self.sock, self.parent):
+                if sock is not None and sock in selector.get_map():
+                    selector.unregister(sock)
             self._kill_tree()
             if status_word is None:
                 _, status_word, usage = os.wait4(pid, 0)
@@ -507,15 +512,16 @@ class Monitor:
     def loop(self) -> int:
         """Serves the slot socket until it closes. Returns the exit code."""
         signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that a program's exit wakes execute()
-        return self._serve(nested=False)
+        return self._serve()
 
-    def _serve(self, nested: bool) -> int:
+    def _serve(self) -> int:
         """Serves ``self.sock`` until it closes. A slot process's :data:`.run_requests.CHANNEL` frame (not a
-        child's: ``nested``) hands over a child's own socket, which is served first, until it closes: a child
-        killed in the middle of a request leaves its half frame on a socket nobody reads again."""
+        child's) hands over a child's own socket, which is served first, until it closes or the slot process writes
+        again (only once that child is gone, whoever else holds its socket): a child killed in the middle of a
+        request leaves its half frame on a socket nobody reads again."""
         while True:
             try:
-                message = read_frame(self.sock, self.frame_limit)
+                message = read_frame(self.sock, self.frame_limit, self.parent)
             except RequestError as e:
                 try:
                     write_frame(self.sock, {"error": f"rewardbox.sandbox.run: {e}"})
@@ -526,7 +532,7 @@ class Monitor:
                 return CLOSED
             if message is None:
                 return CLOSED
-            if message.get("op") == CHANNEL and not nested:
+            if message.get("op") == CHANNEL and self.parent is None:
                 self._serve_child()
                 continue
             try:
@@ -549,14 +555,14 @@ class Monitor:
             for fd in fds:
                 os.close(fd)
             return
-        slot_socket, self.sock = self.sock, socket.socket(fileno=fds[0])
+        self.parent, self.sock = self.sock, socket.socket(fileno=fds[0])
         try:
             self.sock.setblocking(True)
             _bound_sends(self.sock)
-            self._serve(nested=True)
+            self._serve()
         finally:
             self.sock.close()
-            self.sock = slot_socket
+            self.sock, self.parent = self.parent, None
 
 
 SEND_TIMEOUT_S = 2

@@ -407,13 +407,20 @@ def test_code_from_a_completion_never_runs_where_other_samples_were_scored(sandb
 
 
 def test_a_sample_cannot_change_the_limits_or_the_scheduling_of_the_process_that_forked_it(sandboxes):
-    # Forked, a sample shares its uid with its slot process, whose limits, CPUs and scheduling class every later
-    # child inherits: the seccomp filter lets prlimit and sched_set* act on the caller alone. (They did lower its
-    # process limit to 0, and every later sample of that slot failed to start.)
+    # Forked, a sample shares its uid with its slot process, whose limits, CPUs and scheduling and I/O classes every
+    # later child inherits: the seccomp filter lets prlimit and sched_set* act on the caller alone, and refuses
+    # ioprio_set. (A red team lowered its process limit to 0, and every later sample of that slot failed to start.)
     attacker = textwrap.dedent("""
-        import os, resource
+        import ctypes, os, platform, resource
         parent, done = os.getppid(), 0
+        libc = ctypes.CDLL(None, use_errno=True)
+
+        def ioprio_idle(pid):  # ioprio_set(IOPRIO_WHO_PROCESS, pid, the idle class)
+            if libc.syscall({"x86_64": 251, "aarch64": 30}[platform.machine()], 1, pid, 3 << 13) != 0:
+                raise OSError(ctypes.get_errno(), "ioprio_set")
+
         for attempt in (lambda: resource.prlimit(parent, resource.RLIMIT_NPROC, (0, 0)),
+                        lambda: ioprio_idle(parent),
                         lambda: resource.prlimit(parent, resource.RLIMIT_AS, (1 << 20, 1 << 20)),
                         lambda: resource.prlimit(parent, resource.RLIMIT_CPU, (0, 0)),
                         lambda: os.sched_setaffinity(parent, {0}),
@@ -455,3 +462,51 @@ def test_a_sample_that_stops_reading_its_program_runner_holds_up_no_later_sample
     _innocents_after(sandboxes, [wedge] * 2, runs, 0.75, 6)
     _, elapsed = _innocents_after(sandboxes, [], runs, 0.75, 8)
     assert elapsed < TIMEOUT_S + 5, elapsed
+
+
+def test_a_runner_socket_kept_open_by_a_concurrent_sample_holds_up_no_later_sample(sandboxes):
+    # A sample hands its socket to the program runner to a concurrent sample of another slot (an abstract Unix
+    # socket reaches it), which holds it past the first one's end: the socket never closes. The runner stops serving
+    # a child's socket as soon as the slot process writes again, which it does only once that child is gone.
+    holder = textwrap.dedent("""
+        import socket, time
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind("\\0rbx-test-hold")
+        listener.listen(4)
+        listener.settimeout(3)
+        held = []
+        try:
+            connection, _ = listener.accept()
+            held += socket.recv_fds(connection, 16, 4)[1] + [connection]
+        except OSError:
+            pass
+        end = time.monotonic() + 20
+        while time.monotonic() < end:
+            try:
+                time.sleep(0.2)
+            except BaseException:  # its own timeout: it holds on until it is killed
+                pass
+    """)
+    sender = textwrap.dedent("""
+        import socket, time
+        from rewardbox.sandbox import execution
+        for _ in range(200):
+            try:
+                connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                connection.connect("\\0rbx-test-hold")
+                break
+            except OSError:
+                time.sleep(0.01)
+        socket.send_fds(connection, [b"x"], [execution._connect().sock.fileno()])
+        score = 1.0
+    """)
+    runs = textwrap.dedent("""
+        from rewardbox.sandbox import run
+        result = run("print(6 * 7)")
+        score = 0.75 if result.stdout.strip() == "42" else 0.0
+    """)
+    score(sandboxes, "run", [runs] * 4)  # forked from here on (runc)
+    batch = [holder] + [runs] * 3 + [sender] + [runs] * 3
+    report = score(sandboxes, "run", batch)
+    others = [(v, s) for i, (v, s) in enumerate(zip(report.values, report.statuses)) if i not in (0, 4)]
+    assert others == [(0.75, Status.OK)] * 6, report.errors
