@@ -30,9 +30,26 @@ class RequestError(ValueError):
 
 
 # -- frames ---------------------------------------------------------------------------------------------------------
-def write_frame(sock: socket.socket, message: dict) -> None:
+def write_frame(sock: socket.socket, message: dict, watch: Optional[socket.socket] = None) -> None:
+    """Sends one JSON object. With ``watch``: gives up (ConnectionAbortedError) as soon as ``watch`` has something
+    to read, however slowly the peer keeps reading.
+
+    Raises:
+        OSError: the peer is gone, or (``watch``) no longer wanted.
+    """
     data = json.dumps(message, separators=(",", ":")).encode()
-    sock.sendall(_LENGTH.pack(len(data)) + data)
+    frame = memoryview(_LENGTH.pack(len(data)) + data)
+    if watch is None:
+        sock.sendall(frame)
+        return
+    while frame:
+        readable, writable, _ = select.select([watch], [sock], [])
+        if readable:
+            raise ConnectionAbortedError("the reply is no longer wanted")
+        try:
+            frame = frame[sock.send(frame, socket.MSG_DONTWAIT):]
+        except BlockingIOError:
+            pass
 
 
 def _recv_exact(sock: socket.socket, n: int, watch: Optional[socket.socket] = None) -> Optional[bytes]:

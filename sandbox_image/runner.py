@@ -524,7 +524,7 @@ class Monitor:
                 message = read_frame(self.sock, self.frame_limit, self.parent)
             except RequestError as e:
                 try:
-                    write_frame(self.sock, {"error": f"rewardbox.sandbox.run: {e}"})
+                    write_frame(self.sock, {"error": f"rewardbox.sandbox.run: {e}"}, self.parent)
                 except OSError:
                     pass
                 return 0  # the stream cannot be trusted to be at a frame boundary any more
@@ -542,7 +542,7 @@ class Monitor:
             except SlotGone:
                 return CLOSED
             try:
-                write_frame(self.sock, reply)
+                write_frame(self.sock, reply, self.parent)
             except OSError:
                 return CLOSED
 
@@ -641,8 +641,17 @@ class Runner:
         sock = socket.socket(fileno=fd)
         sock.setblocking(True)
         self.sockets[index] = sock
-        if index not in self.busy.values():
+        busy = [pid for pid, i in self.busy.items() if i == index]
+        if not busy:
             self.selector.register(sock, selectors.EVENT_READ, index)
+        for pid in busy:
+            # The template forks a slot's next process only once the last one is gone: whatever its monitor still
+            # serves (a socket another process holds open, or reads slowly) has no caller. It kills its program and
+            # ends, and the new socket is served once it is reaped.
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
         return True
 
     def _start(self, index: int) -> None:

@@ -464,49 +464,74 @@ def test_a_sample_that_stops_reading_its_program_runner_holds_up_no_later_sample
     assert elapsed < TIMEOUT_S + 5, elapsed
 
 
-def test_a_runner_socket_kept_open_by_a_concurrent_sample_holds_up_no_later_sample(sandboxes):
-    # A sample hands its socket to the program runner to a concurrent sample of another slot (an abstract Unix
-    # socket reaches it), which holds it past the first one's end: the socket never closes. The runner stops serving
-    # a child's socket as soon as the slot process writes again, which it does only once that child is gone.
-    holder = textwrap.dedent("""
-        import socket, time
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind("\\0rbx-test-hold")
-        listener.listen(4)
-        listener.settimeout(3)
-        held = []
+HOLDER = textwrap.dedent("""
+    import socket, time
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind("\\0rbx-test-hold")
+    listener.listen(4)
+    listener.settimeout(3)
+    held = []
+    try:
+        connection, _ = listener.accept()
+        held = [socket.socket(fileno=fd) for fd in socket.recv_fds(connection, 16, 4)[1]] + [connection]
+    except OSError:
+        pass
+    end = time.monotonic() + 20
+    while time.monotonic() < end:
         try:
-            connection, _ = listener.accept()
-            held += socket.recv_fds(connection, 16, 4)[1] + [connection]
-        except OSError:
+            if SLOW and len(held) > 1:  # a little of the runner's reply each second: its writes never stall long
+                held[0].setblocking(False)
+                try:
+                    held[0].recv(65536)
+                except BlockingIOError:
+                    pass
+            time.sleep(1.0)
+        except BaseException:  # its own timeout: it holds on until it is killed
             pass
-        end = time.monotonic() + 20
-        while time.monotonic() < end:
+""")
+SENDER = textwrap.dedent("""
+    import socket, time
+    from rewardbox.sandbox import execution, run_requests
+    sock = execution._connect().sock
+    for _ in range(300):
+        try:
+            connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            connection.connect("\\0rbx-test-hold")
+            break
+        except OSError:
+            time.sleep(0.01)
+    socket.send_fds(connection, [b"x"], [sock.fileno()])
+    if SLOW:  # a reply of 8 MiB for the holder to read slowly: this sample ends once the runner writes it
+        run_requests.write_frame(sock, {
+            "language": "python", "code": "import sys; sys.stdout.write('A' * (8 << 20))", "files": {},
+            "runs": [{"stdin": "", "args": []}], "timeout_s": 4, "memory_mb": 256, "max_output_bytes": 16 << 20,
+            "compile_timeout_s": 30})
+        started = time.monotonic()
+        while time.monotonic() - started < 4:
             try:
-                time.sleep(0.2)
-            except BaseException:  # its own timeout: it holds on until it is killed
-                pass
-    """)
-    sender = textwrap.dedent("""
-        import socket, time
-        from rewardbox.sandbox import execution
-        for _ in range(200):
-            try:
-                connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                connection.connect("\\0rbx-test-hold")
-                break
-            except OSError:
-                time.sleep(0.01)
-        socket.send_fds(connection, [b"x"], [execution._connect().sock.fileno()])
-        score = 1.0
-    """)
+                if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                    break
+            except BlockingIOError:
+                time.sleep(0.005)
+    score = 1.0
+""")
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["holds", "reads-slowly"])
+def test_a_runner_socket_handed_to_a_concurrent_sample_holds_up_no_later_sample(sandboxes, slow):
+    # A forked sample hands its socket to the program runner to a concurrent sample of another slot (an abstract
+    # Unix socket reaches it), which holds it past the first one's end (and reads the runner's reply to a request
+    # it left there, a little each second). The runner serves, reads and writes a child's socket only until the slot
+    # process writes again, which it does only once that child is gone. (Red teams: the next sample's run() in that
+    # slot timed out, first while the runner waited to read, then while it wrote the slowly read reply.)
     runs = textwrap.dedent("""
         from rewardbox.sandbox import run
         result = run("print(6 * 7)")
         score = 0.75 if result.stdout.strip() == "42" else 0.0
     """)
-    score(sandboxes, "run", [runs] * 4)  # forked from here on (runc)
-    batch = [holder] + [runs] * 3 + [sender] + [runs] * 3
+    flag = f"SLOW = {slow}\n"
+    score(sandboxes, "run", [flag + runs] * 4)  # forked from here on (runc)
+    batch = [flag + HOLDER] + [flag + runs] * 3 + [flag + SENDER] + [flag + runs] * 3
     report = score(sandboxes, "run", batch)
     others = [(v, s) for i, (v, s) in enumerate(zip(report.values, report.statuses)) if i not in (0, 4)]
     assert others == [(0.75, Status.OK)] * 6, report.errors
