@@ -243,7 +243,10 @@ class FunctionPool:
     async def _score_streamed(self, batch: SampleBatch, timeout_s: float, state: Optional[dict]) -> BatchResult:
         """isolation: sample and process (sample style): requests of several samples, each sample answered as soon as
         it is scored. What a request leaves unscored (after a sample that tainted its process, crashed or hung) goes
-        back to the queue for another process; every request settles at least one sample."""
+        back to the queue for another process. Every request settles at least one sample, but one answered by a
+        process that scored samples itself before and now withdraws its first sample or will not fork (reuse.WITHDRAW,
+        codec.RETIRING): that process retires, and its replacement never answers so before it scored a sample
+        itself. So a batch sees at most as many of those as its processes had scored samples."""
         outcomes: list = [None] * len(batch)  # per sample: a one-sample ChunkResult or an Outcome
         pending = collections.deque(range(len(batch)))
         replaced = 0

@@ -209,8 +209,13 @@ def begin(fd: int, index: int, on_taint: Optional[Callable[[], None]] = None, fr
 
 def end() -> Optional[str]:
     """The running sample ended. Returns what tainted the process (None: nothing did)."""
-    _WATCH.index = -1
+    _WATCH.index, _WATCH.on_taint = -1, None
     return _WATCH.tainted
+
+
+def withdrawn_unit() -> bool:
+    """Whether the sample that ran last was withdrawn (see _Watch.hook): nothing of it may be sent."""
+    return _WATCH.refusing
 
 
 @contextlib.contextmanager

@@ -557,8 +557,7 @@ class Monitor:
             return
         self.parent, self.sock = self.sock, socket.socket(fileno=fds[0])
         try:
-            self.sock.setblocking(True)
-            _bound_sends(self.sock)
+            self.sock.setblocking(True)  # its replies are written watching the slot's socket (write_frame's watch)
             self._serve()
         finally:
             self.sock.close()
@@ -569,9 +568,10 @@ SEND_TIMEOUT_S = 2
 
 
 def _bound_sends(sock: socket.socket) -> None:
-    """A reply that makes no progress for SEND_TIMEOUT_S fails (and its socket is served no more). A caller waits
-    for its reply, reading; one that does not may also hold the socket open past its own death (its end sent over
-    the socket itself, in flight in our receive queue), and a monitor blocked writing would never serve again."""
+    """On a slot process's own socket: a reply that makes no progress for SEND_TIMEOUT_S fails (and the socket is
+    served no more). A caller waits for its reply, reading; one that does not may also hold the socket open past its
+    own death (its end sent over the socket itself, in flight in our receive queue), and a monitor blocked writing
+    would never serve again. (A forked child's socket is written watching the slot process's instead.)"""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("@ll", SEND_TIMEOUT_S, 0))
 
 

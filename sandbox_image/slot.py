@@ -32,7 +32,7 @@ import struct
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from ..wire import Outcome, Status, trainer_state_from_dict
 from . import codec, execution, forked, private_tmp, processes, reuse, seccomp, worker
@@ -260,10 +260,10 @@ async def _score_unit(loaded: worker.Loaded, samples, timeout_s: float, state) -
 async def _score_units(loaded: worker.Loaded, sock: socket.socket, request: codec.Request, reusable: bool,
                        forker: Optional[forked.Forker] = None) -> bool:
     """Scores the units of a streamed request in order (with a ``forker``, each in a child: :mod:`.forked`; a sync
-    reward's only, each answer sent from the child's mapping before the next child starts). Each answer is queued and
-    sent at least every FLUSH_S, and always before the marker of a taint (the audit hook sends them: :mod:`.reuse`),
-    so what a clean unit answered is out of this process before any code from data runs in it; the state check runs
-    before each sending. Returns whether this process may serve another request."""
+    reward's only, each answer sent from the child's mapping before the next child starts). Otherwise each answer is
+    queued and sent at least every FLUSH_S, and always before the marker of a taint (the audit hook sends them:
+    :mod:`.reuse`), so what a clean unit answered is out of this process before any code from data runs in it; the
+    state check runs before each sending. Returns whether this process may serve another request."""
     global _scored_here
     try:
         trainer_state = trainer_state_from_dict(request.trainer_state)
@@ -304,6 +304,8 @@ async def _score_units(loaded: worker.Loaded, sock: socket.socket, request: code
                 outcomes, logs, dropped = await _score_unit(loaded, samples, timeout_s, trainer_state)
             finally:
                 tainted = reuse.end()
+            if reuse.withdrawn_unit():  # the server scores it elsewhere and reads nothing more of this request
+                return False
             answer = codec.encode_result(outcomes, logs, dropped, max_log_bytes, time.perf_counter() - started)
             retire = tainted or _retire_reason(outcomes, reusable)
             reuse.queue(k, answer, reuse.marker(k, retire) if retire else reuse.CLEAN)
@@ -328,18 +330,22 @@ def _handle_stream(loaded: worker.Loaded, fd: int, reusable: bool, forker: Optio
         sock.sendall(codec.STARTED)
         request = _receive_blocking(sock)
         fork = request.fork and forker is not None and not loaded.info.is_async
-        units = _score_units(loaded, sock, request, reusable, forker if fork else None)
-        if not loaded.info.is_async:
-            return _run_coroutine(units)
-        import asyncio  # preloaded by the template of an async function (see worker)
+        try:
+            units = _score_units(loaded, sock, request, reusable, forker if fork else None)
+            if not loaded.info.is_async:
+                return _run_coroutine(units)
+            import asyncio  # preloaded by the template of an async function (see worker)
 
-        return asyncio.run(units)
+            return asyncio.run(units)
+        finally:
+            request.close()
     finally:
         sock.close()
 
 
-def _run_coroutine(coroutine) -> bool:
-    """Runs a coroutine that never awaits anything (a sync function's units) without an event loop."""
+def _run_coroutine(coroutine) -> Any:
+    """Runs a coroutine that never awaits anything (a sync function's units, a blocking receive) without an event
+    loop. Returns its value."""
     try:
         coroutine.send(None)
     except StopIteration as done:
