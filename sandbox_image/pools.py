@@ -445,21 +445,17 @@ class FunctionPool:
                     streamed.answered += clean
                     k += len(clean)
                     continue
-                if reader.peek() == reuse.WITHDRAW:  # this unit goes back too, to a process that scored no other
+                kind = reader.peek()
+                if kind in (reuse.MARK, reuse.WITHDRAW):
                     index, reason = await self._marker(reader, deadline_s)
                     if index != k:
                         raise codec.MalformedResult(f"a marker names sample {index} while sample {k} runs")
                     self._note_taint(reason)
                     self._fork_left = FORKED_SAMPLES
-                    streamed.retired = True
-                    return streamed
-                tainted = reader.peek() == reuse.MARK
-                if tainted:
-                    index, reason = await self._marker(reader, deadline_s)
-                    if index != k:
-                        raise codec.MalformedResult(f"a marker names sample {index} while sample {k} runs")
-                    self._note_taint(reason)
-                    self._fork_left = FORKED_SAMPLES
+                    if kind == reuse.WITHDRAW:  # this unit goes back too, to a process that scored no other
+                        streamed.retired = True
+                        return streamed
+                    tainted = True
                 streamed.answered.append(await self._frame(reader, per_unit, deadline_s, forked))
                 if tainted:  # what follows its own answer is not ours to read
                     streamed.retired = True
