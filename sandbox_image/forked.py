@@ -40,7 +40,6 @@ from __future__ import annotations
 import mmap
 import os
 import select
-import signal
 import socket
 import struct
 import time
@@ -75,7 +74,7 @@ class Forker:
         may go on). The request's socket ``request_fd`` is closed in the child; ``attach(fd)`` gives the child its
         runner socket."""
         if not self.reaper:
-            processes.become_subreaper()  # what its children leave becomes its own child: see _kill_and_reap
+            processes.become_subreaper()  # what its children leave becomes its own child: see kill_descendants
             self.reaper = True
         limit = codec.result_limit(samples, max_log_bytes)
         # Shared with the child, which writes its answer there: the answer never passes through this process's heap,
@@ -125,7 +124,7 @@ class Forker:
             os.close(read_end)
         status, retire = None, None
         try:
-            status = _kill_and_reap(pid)
+            status = processes.kill_descendants(pid)
             processes.empty(self.scratch)
         except OSError as e:
             retire = f"what a sample left could not be removed: {e}"
@@ -181,24 +180,6 @@ def _wait(fd: int, deadline: float) -> tuple[Status, str]:
     if not byte:
         return Status.CRASH, ""
     return (Status.OK, "") if byte == DONE else (Status.INVALID, f"{byte!r} came where the done byte belongs")
-
-
-def _kill_and_reap(pid: int) -> Optional[int]:
-    """Kills every process of this slot process's uid (all its descendants) and reaps them. Returns the wait status
-    of ``pid``. One kill(-1) reaches them all (Linux: no fork can pass it), and as their subreaper this process waits
-    until it has no child left, which proves none is left."""
-    status = None
-    try:
-        os.kill(-1, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    while True:
-        try:
-            reaped, wait_status = os.waitpid(-1, 0)
-        except ChildProcessError:
-            return status  # no child is left
-        if reaped == pid:
-            status = wait_status
 
 
 def _failure(samples: int, max_log_bytes: int, status: Status, error: str) -> bytes:

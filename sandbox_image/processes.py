@@ -173,6 +173,22 @@ def _signal_all(sig: int) -> None:
         pass
 
 
+def kill_descendants(pid: int) -> Optional[int]:
+    """From a subreaper that shares its uid with its descendants and no other process (a forked request's slot
+    process: :mod:`.forked`): kills every process of its uid, all its descendants, and reaps them. Returns the wait
+    status of ``pid``. One kill(-1) reaches them all (Linux: no fork can pass it), and as their subreaper this
+    process waits until it has no child left, which proves none is left."""
+    status = None
+    _signal_all(signal.SIGKILL)
+    while True:
+        try:
+            reaped, wait_status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            return status  # no child is left
+        if reaped == pid:
+            status = wait_status
+
+
 REAPER_UID_BIT = 1 << 31  # a real uid of its own for cleaning up after a uid: no sample process runs under it
 STABLE_SCANS = 3
 STOP_BUDGET_S = 0.5
