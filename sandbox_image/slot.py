@@ -173,10 +173,11 @@ def _receive_blocking(sock: socket.socket) -> codec.Request:
     return _run_coroutine(_receive(recv_into))
 
 
-def _whole(request: codec.Request):
-    """All of a request's samples, for isolation: worker (they share a process anyway); unmaps the request."""
+def _whole(request: codec.Request) -> tuple:
+    """(all of a request's samples, its timeout, its trainer state), for isolation: worker (the samples share a
+    process anyway); unmaps the request."""
     try:
-        return request.take(range(len(request)))
+        return request.take(range(len(request))), request.timeout_s, request.trainer_state
     finally:
         request.close()
 
@@ -205,7 +206,7 @@ def _handle(loaded: worker.Loaded, fd: int) -> None:
     sock.setblocking(True)
     sock.sendall(codec.STARTED)
     request = _receive_blocking(sock)
-    batch, timeout_s, state = _whole(request), request.timeout_s, request.trainer_state
+    batch, timeout_s, state = _whole(request)
     try:
         trainer_state = trainer_state_from_dict(state)
         if loaded.info.is_async:
@@ -361,7 +362,7 @@ async def _handle_async(loaded: worker.Loaded, fd: int) -> None:
     sock.setblocking(False)
     await loop.sock_sendall(sock, codec.STARTED)
     request = await _receive(lambda view: loop.sock_recv_into(sock, view))
-    batch, timeout_s, state = _whole(request), request.timeout_s, request.trainer_state
+    batch, timeout_s, state = _whole(request)
     try:
         trainer_state = trainer_state_from_dict(state)
         result = await worker.score_async(loaded, batch, timeout_s, trainer_state)
