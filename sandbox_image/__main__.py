@@ -11,13 +11,22 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
-import logging
 import os
 import sys
+import time
 from typing import Optional
 
 from . import private_tmp, processes
 from . import supervisor as supervisor_module
+
+
+def _log(level: str, message: str) -> None:
+    """A log line before the supervisor is forked, as :mod:`logging` writes them after. :mod:`logging` is imported
+    only after the fork: it loads :mod:`threading`, whose at-fork handler would otherwise run in every process forked
+    in the sandbox (the supervisor, templates, slot processes, every forked sample: about 130 more pages each
+    writes, so copies, before its first line of its own)."""
+    sys.stderr.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} sandbox {level} {message}\n")
+    sys.stderr.flush()
 
 
 def _become(uid: int) -> None:
@@ -74,7 +83,6 @@ def main(argv: Optional[list] = None) -> int:
                         help="exit at start when the private /tmp cannot be made (else: /tmp stays read-only)")
     parser.add_argument("--default-warm", type=int, default=None, help="warm processes of a reward that sets none")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s sandbox %(levelname)s %(message)s")
     if args.private_tmp == "userns":
         private_tmp.drop_sys_admin()  # before anything else runs or is forked
     if args.slot_uids:
@@ -83,8 +91,8 @@ def main(argv: Optional[list] = None) -> int:
         except (OSError, ValueError, IndexError):
             found = False
         if not found:
-            logging.warning("the environment block could not be cleared: under gVisor, programs that rewards run "
-                            "may read this sandbox's environment in /proc")
+            _log("WARNING", "the environment block could not be cleared: under gVisor, programs that rewards run may "
+                            "read this sandbox's environment in /proc")
     if args.slot_uids:
         uids = supervisor_module.parse_uids(args.slot_uids)
         run_uids = supervisor_module.parse_uids(args.run_uids) if args.run_uids else ()
@@ -107,16 +115,19 @@ def main(argv: Optional[list] = None) -> int:
             if why_not is None:
                 pool = dataclasses.replace(pool, private_tmp=args.private_tmp)
             elif args.require_private_tmp:
-                logging.error("no private /tmp can be made for samples (%s): the sandbox stops, as "
-                              "sandbox.docker.private_tmp is 'on'. %s", why_not, private_tmp.FIX)
+                _log("ERROR", f"no private /tmp can be made for samples ({why_not}): the sandbox stops, as "
+                              f"sandbox.docker.private_tmp is 'on'. {private_tmp.FIX}")
                 return 2
             else:
-                logging.warning("no private /tmp can be made for samples (%s): /tmp stays read-only for them. %s",
-                                why_not, private_tmp.FIX)
+                _log("WARNING", f"no private /tmp can be made for samples ({why_not}): /tmp stays read-only for "
+                                f"them. {private_tmp.FIX}")
     else:
         pool = supervisor_module.local_pool(os.environ.get("REWARDBOX_STATE_DIR"))
     pid, sock = supervisor_module.start(pool)
     processes.set_name("rbx-server")
+    import logging  # only now, after the fork (see _log)
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s sandbox %(levelname)s %(message)s")
     if args.server_uid is not None and os.getuid() != args.server_uid:
         _become(args.server_uid)
     if args.slot_uids:

@@ -3,7 +3,6 @@ and which Debian packages an image needs for it (a reward's ``system_packages``)
 
 from __future__ import annotations
 
-import shutil
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
@@ -58,6 +57,8 @@ def lookup(name: str) -> Language:
 
 def missing_tool(language: Language) -> Optional[str]:
     """Why ``language`` cannot run in this image (its compiler or interpreter is not installed), or None."""
+    import shutil  # here: it loads bz2 and lzma, whose libraries every fork of a template would copy the maps of
+
     tool = language.executable
     if tool == "{python}" or shutil.which(tool, path="/usr/local/bin:/usr/bin:/bin"):
         return None

@@ -18,7 +18,6 @@ import selectors
 import signal
 import socket
 import stat
-import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
@@ -172,6 +171,8 @@ def start(pool: SlotPool) -> tuple[int, socket.socket]:
 
 def local_pool(state_dir: Optional[str]) -> SlotPool:
     """Slots for the local backend: directories in the sandbox's state directory (or a new temporary one)."""
+    import tempfile  # here, in the local backend only: it loads random, whose reseeding runs after every fork
+
     root = os.path.join(state_dir, "slots") if state_dir else tempfile.mkdtemp(prefix="rbx-slots-")
     os.makedirs(root, mode=0o700, exist_ok=True)
     return SlotPool(root=root)
