@@ -19,7 +19,7 @@ Before the next child starts, everything a unit left is gone:
   process still retires it, and the template's next process for the slot cleans up (:func:`.slot.prepare`);
 - its ``/tmp`` (the slot's scratch tmpfs) is emptied;
 - the child's socket to the program runner is its own (:func:`runner_socket`), so a child killed halfway through a
-  request leaves no half frame for the next.
+  request leaves no half frame for the next. The runner is sent it only once the child first writes to it.
 
 The child writes its answer (a length, then one answer in the format the server reads: :mod:`.codec`) into a memory
 mapping it shares with the slot process, then one byte into a pipe. The slot process waits for that byte by the
@@ -87,15 +87,15 @@ class Forker:
 
     def _run(self, answer: mmap.mmap, score: Callable[[], bytes], samples: int, timeout_s: float,
              max_log_bytes: int, request_fd: int, attach: Callable, send: Callable) -> Optional[str]:
-        child_runner = runner_socket(self.runner)
+        child_end, runner_end = runner_socket(self.runner)
         read_end, write_end = os.pipe()
         try:
             pid = os.fork()
         except OSError as e:
-            for fd in (read_end, write_end):
+            for fd in (read_end, write_end, *(() if child_end is None else (child_end,))):
                 os.close(fd)
-            if child_runner is not None:
-                child_runner.close()
+            if runner_end is not None:
+                runner_end.close()
             send(_failure(samples, max_log_bytes, Status.ERROR,
                           f"rewardbox could not start this sample's process: {e}"))
             return None
@@ -104,9 +104,9 @@ class Forker:
             try:
                 processes.set_name("rbx-sample")
                 os.close(read_end)
-                for fd in (request_fd, *self.close):
+                for fd in (request_fd, *self.close, *(() if runner_end is None else (runner_end.fileno(),))):
                     os.close(fd)
-                attach(None if child_runner is None else child_runner.detach())
+                attach(child_end)
                 data = score()
                 answer[:_LENGTH.size] = _LENGTH.pack(len(data))
                 if len(data) <= len(answer) - _LENGTH.size:
@@ -116,12 +116,15 @@ class Forker:
             finally:
                 os._exit(code)
         os.close(write_end)
-        if child_runner is not None:
-            child_runner.close()
+        if child_end is not None:
+            os.close(child_end)
         try:
-            failed, why = _wait(read_end, time.monotonic() + timeout_s + KILL_MARGIN_S)
+            failed, why = _wait(read_end, time.monotonic() + timeout_s + KILL_MARGIN_S, runner_end,
+                                lambda: hand_over(self.runner, runner_end))
         finally:
             os.close(read_end)
+            if runner_end is not None:
+                runner_end.close()
         status, retire = None, None
         try:
             status = processes.kill_descendants(pid)
@@ -151,32 +154,48 @@ class Forker:
         return retire
 
 
-def runner_socket(runner: Optional[socket.socket]) -> Optional[socket.socket]:
-    """A fresh socket to the program runner for one child, sent to the runner over the slot process's own (the
-    runner serves it before anything else this slot sends: :meth:`.runner.Monitor.loop`). None without a runner."""
+def runner_socket(runner: Optional[socket.socket]) -> tuple[Optional[int], Optional[socket.socket]]:
+    """A fresh socket to the program runner for one child: (the child's end, the other end), (None, None) without a
+    runner. The slot process keeps the other end until the child first writes to its own (or closes it), and only
+    then hands it to the runner (:func:`hand_over`): a sample that runs no program costs the runner nothing."""
     if runner is None:
-        return None
+        return None, None
     ours, theirs = socket.socketpair()
+    return theirs.detach(), ours
+
+
+def hand_over(runner: socket.socket, end: socket.socket) -> None:
+    """Sends a child's runner socket to the runner over the slot process's own. The runner serves it before anything
+    else this slot sends (:meth:`.runner.Monitor.loop`), until the slot process writes again: only for a later
+    child, once this one is gone. Where the runner is gone, the child's program calls fail clearly (its socket
+    closes with the slot process's end)."""
     try:
         run_requests.write_frame(runner, {"op": run_requests.CHANNEL})
-        socket.send_fds(runner, [b"c"], [theirs.fileno()])
-    except OSError:  # the runner is gone: the child's run() fails clearly
-        ours.close()
-        return None
-    finally:
-        theirs.close()
-    return ours
+        socket.send_fds(runner, [b"c"], [end.fileno()])
+    except OSError:
+        pass
 
 
-def _wait(fd: int, deadline: float) -> tuple[Status, str]:
-    """Waits for the child's DONE byte: (ok when it came, timeout when the deadline passed first, crash when the
-    pipe closed without it, invalid when something else came; and what to add)."""
+def _wait(done: int, deadline: float, runner_end: Optional[socket.socket],
+          hand_over_runner: Callable[[], None]) -> tuple[Status, str]:
+    """Waits for the child's DONE byte on ``done``: (ok when it came, timeout when the deadline passed first, crash
+    when the pipe closed without it, invalid when something else came; and what to add). Meanwhile, the first time
+    the child writes to (or closes) its runner socket, ``hand_over_runner()`` passes the other end, ``runner_end``,
+    to the runner."""
     poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    left = deadline - time.monotonic()
-    if left <= 0 or not poller.poll(left * 1000):
-        return Status.TIMEOUT, ""
-    byte = os.read(fd, 1)
+    poller.register(done, select.POLLIN)
+    if runner_end is not None:
+        poller.register(runner_end, select.POLLIN)
+    while True:
+        left = deadline - time.monotonic()
+        events = poller.poll(left * 1000) if left > 0 else []
+        if not events:
+            return Status.TIMEOUT, ""
+        if any(fd == done for fd, _ in events):
+            break
+        poller.unregister(runner_end)  # the child wants the runner (or will never call it): it is the runner's now
+        hand_over_runner()
+    byte = os.read(done, 1)
     if not byte:
         return Status.CRASH, ""
     return (Status.OK, "") if byte == DONE else (Status.INVALID, f"{byte!r} came where the done byte belongs")
