@@ -93,15 +93,36 @@ class _Reader:
             self.pos = 0
             while len(self.buffer) < n:
                 try:
-                    chunk = await asyncio.wait_for(self.loop.sock_recv(self.sock, max(_READ_CHUNK, n)),
-                                                   max(0.0, end - self.loop.time()))
-                except asyncio.TimeoutError:  # an OSError too (Python 3.11): not an end of the stream
-                    raise
+                    chunk = self.sock.recv(max(_READ_CHUNK, n))
+                except (BlockingIOError, InterruptedError):
+                    await self._readable(end)
+                    continue
                 except OSError:  # reset by a dying worker
                     raise _Ended() from None
                 if not chunk:
                     raise _Ended()
                 self.buffer += chunk
+
+    async def _readable(self, end: float) -> None:
+        """Waits until the socket is readable, by ``end``. Forked, every sample's answer is waited for alone: this
+        costs a reader and a timer, where ``wait_for(sock_recv(...))`` would start a task as well.
+
+        Raises: asyncio.TimeoutError."""
+        ready = self.loop.create_future()
+
+        def settle(readable: bool) -> None:
+            if not ready.done():
+                ready.set_result(readable)
+
+        fd = self.sock.fileno()
+        self.loop.add_reader(fd, settle, True)
+        timer = self.loop.call_at(end, settle, False)
+        try:
+            if not await ready:
+                raise asyncio.TimeoutError()
+        finally:
+            timer.cancel()
+            self.loop.remove_reader(fd)
 
 
 @dataclass
