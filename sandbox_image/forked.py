@@ -68,10 +68,10 @@ class Forker:
 
     def run(self, score: Callable[[], bytes], samples: int, timeout_s: float, max_log_bytes: int,
             request_fd: int, attach: Callable[[Optional[int]], None],
-            send: Callable[[memoryview], None]) -> Optional[str]:
+            send: Callable[[memoryview, Optional[str]], None]) -> Optional[str]:
         """Runs ``score`` (which returns one unit's encoded answer) in a child, cleans up after it, and calls
-        ``send`` with its answer, checked, or the unit's failure. Returns why the slot process must retire (None: it
-        may go on). The request's socket ``request_fd`` is closed in the child; ``attach(fd)`` gives the child its
+        ``send(answer, retire)`` with its answer, checked, or the unit's failure, and why the slot process must
+        retire (None: it may go on), which it also returns. The request's socket ``request_fd`` is closed in the child; ``attach(fd)`` gives the child its
         runner socket."""
         if not self.reaper:
             processes.become_subreaper()  # what its children leave becomes its own child: see kill_descendants
@@ -97,7 +97,7 @@ class Forker:
             if runner_end is not None:
                 runner_end.close()
             send(_failure(samples, max_log_bytes, Status.ERROR,
-                          f"rewardbox could not start this sample's process: {e}"))
+                          f"rewardbox could not start this sample's process: {e}"), None)
             return None
         if pid == 0:
             code = 70
@@ -139,7 +139,7 @@ class Forker:
                     raise codec.MalformedResult(f"the answer declared {length} bytes, over the limit of {limit}")
                 with memoryview(answer) as whole, whole[_LENGTH.size:_LENGTH.size + length] as data:
                     codec.check_result(data, samples, max_log_bytes)
-                    send(data)
+                    send(data, retire)
                 return retire
             except codec.MalformedResult as e:
                 failed, why = Status.INVALID, str(e)
@@ -150,8 +150,19 @@ class Forker:
         else:
             details = processes.describe_status(status) if status is not None else ""
             why = f"worker process died ({details})" if details else "worker process died"
-        send(_failure(samples, max_log_bytes, failed, why))
+        send(_failure(samples, max_log_bytes, failed, why), retire)
         return retire
+
+
+def send_with_trailer(sock: socket.socket, answer, trailer: bytes) -> None:
+    """Sends a unit's ``answer`` (a view of the child's mapping, or bytes) and its ``trailer`` in one system call
+    where the socket takes them whole: the server reads both in one wake-up. The answer is never copied here."""
+    sent = sock.sendmsg([answer, trailer])
+    if sent < len(answer):
+        with memoryview(answer) as view, view[sent:] as rest:
+            sock.sendall(rest)
+        sent = len(answer)
+    sock.sendall(trailer[sent - len(answer):])
 
 
 def runner_socket(runner: Optional[socket.socket]) -> tuple[Optional[int], Optional[socket.socket]]:

@@ -288,11 +288,13 @@ async def _score_units(loaded: worker.Loaded, sock: socket.socket, request: code
                     outcomes, logs, dropped = _run_coroutine(_score_unit(loaded, samples, timeout_s, trainer_state))
                     return codec.encode_result(outcomes, logs, dropped, max_log_bytes, time.perf_counter() - started)
 
+                def send(answer, retire: Optional[str], k: int = k) -> None:
+                    forked.send_with_trailer(sock, answer, reuse.marker(k, retire) if retire else reuse.CLEAN)
+
                 # Each answer is sent before the next child starts: whatever stalls or ends this process then (a
                 # child may signal it) is the fault of the first unit the server has no answer for.
                 retire = forker.run(score, len(indices), timeout_s, max_log_bytes, sock.fileno(),
-                                    execution.attach_child, sock.sendall)
-                sock.sendall(reuse.marker(k, retire) if retire else reuse.CLEAN)
+                                    execution.attach_child, send)
                 if retire:
                     break
                 continue
