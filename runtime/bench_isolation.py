@@ -202,6 +202,8 @@ def isolation_figures(client, directory: Path, base_image: str, make_config: Cal
                    "-", None),
             figure("exec reward, isolation: sample, CPU per sample / bare fork floor", f"{ratio:.1f}x", "<= 2x",
                    ratio <= 2.0),
+            figure("exec reward, isolation: sample, CPU per sample / fork floor holding the template's modules",
+                   f"{per_sample['sample'] / template:.1f}x", "-", None),
         ]
     if floors.get("isolated"):
         isolated = floors["isolated"]

@@ -268,7 +268,7 @@ def test_a_reward_whose_samples_taint_runs_each_in_a_child_of_a_slot_process_tha
     lineage = "import os\nprint(f'lineage {os.getppid()} {os.getpid()}')\nscore = 0.5"
     score(sandboxes, "run", [lineage] * 8)  # the first samples taint their processes
     report = score(sandboxes, "run", [lineage] * 96)
-    assert report.values == [0.5] * 96 and report.statuses == [Status.OK] * 96, report.errors
+    assert report.values == [0.5] * 96 and report.statuses == [Status.OK] * 96, [e for e in report.errors if e]
     pairs = [tuple(map(int, line.split()[1:])) for line in report.logs.splitlines() if line.startswith("lineage ")]
     assert len(pairs) == 96 and len({child for _, child in pairs}) == 96, pairs  # a fresh process each
     parents = {parent for parent, _ in pairs}
