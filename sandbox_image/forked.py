@@ -182,7 +182,7 @@ def hand_over(runner: socket.socket, end: socket.socket) -> None:
     closes with the slot process's end)."""
     try:
         run_requests.write_frame(runner, {"op": run_requests.CHANNEL})
-        socket.send_fds(runner, [b"c"], [end.fileno()])
+        socket.send_fds(runner, [b"c"], [end.fileno()], socket.MSG_NOSIGNAL)
     except OSError:
         pass
 

@@ -40,14 +40,16 @@ def write_frame(sock: socket.socket, message: dict, watch: Optional[socket.socke
     data = json.dumps(message, separators=(",", ":")).encode()
     frame = memoryview(_LENGTH.pack(len(data)) + data)
     if watch is None:
-        sock.sendall(frame)
+        # MSG_NOSIGNAL: a slot process keeps SIGPIPE's default action, and a runner that is gone must fail its
+        # program calls, not kill the process (and with it the sample it runs)
+        sock.sendall(frame, socket.MSG_NOSIGNAL)
         return
     while frame:
         readable, writable, _ = select.select([watch], [sock], [])
         if readable:
             raise ConnectionAbortedError("the reply is no longer wanted")
         try:
-            frame = frame[sock.send(frame, socket.MSG_DONTWAIT):]
+            frame = frame[sock.send(frame, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL):]
         except BlockingIOError:
             pass
 
