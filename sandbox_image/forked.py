@@ -71,8 +71,8 @@ class Forker:
             send: Callable[[memoryview, Optional[str]], None]) -> Optional[str]:
         """Runs ``score`` (which returns one unit's encoded answer) in a child, cleans up after it, and calls
         ``send(answer, retire)`` with its answer, checked, or the unit's failure, and why the slot process must
-        retire (None: it may go on), which it also returns. The request's socket ``request_fd`` is closed in the child; ``attach(fd)`` gives the child its
-        runner socket."""
+        retire (None: it may go on), which it also returns. The request's socket ``request_fd`` is closed in the
+        child; ``attach(fd)`` gives the child its runner socket."""
         if not self.reaper:
             processes.become_subreaper()  # what its children leave becomes its own child: see kill_descendants
             self.reaper = True
