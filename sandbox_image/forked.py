@@ -157,12 +157,15 @@ class Forker:
 def send_with_trailer(sock: socket.socket, answer, trailer: bytes) -> None:
     """Sends a unit's ``answer`` (a view of the child's mapping, or bytes) and its ``trailer`` in one system call
     where the socket takes them whole: the server reads both in one wake-up. The answer is never copied here."""
-    sent = sock.sendmsg([answer, trailer])
+    sent = sock.sendmsg([answer, trailer], [], socket.MSG_NOSIGNAL)
     if sent < len(answer):
         with memoryview(answer) as view, view[sent:] as rest:
-            sock.sendall(rest)
+            sock.sendall(rest, socket.MSG_NOSIGNAL)
         sent = len(answer)
-    sock.sendall(trailer[sent - len(answer):])
+    if sent < len(answer) + len(trailer):
+        # Nothing more once the trailer is out: the server may have closed its end on reading it, and any further
+        # write (even an empty one) would fail with EPIPE.
+        sock.sendall(trailer[sent - len(answer):], socket.MSG_NOSIGNAL)
 
 
 def runner_socket(runner: Optional[socket.socket]) -> tuple[Optional[int], Optional[socket.socket]]:

@@ -91,8 +91,11 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
     if slot.uid is None:
         # Local backend: nothing reaps by uid, so a slot process must not outlive its template.
         die_with_parent()
-    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGALRM, signal.SIGPIPE):
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGALRM):
         signal.signal(sig, signal.SIG_DFL)
+    # As in any python3 process: a write to a socket or pipe whose reader is gone raises BrokenPipeError (the reward
+    # sees what it would see in-process), and a request the server gave up on ends that request, not this process.
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     signal.set_wakeup_fd(-1)
     processes.close_inherited(control_fd, *(() if run_fd is None else (run_fd,)))
     try:
