@@ -65,10 +65,25 @@ _PER_FORK = textwrap.dedent(
 )
 FLOOR = _PER_FORK + textwrap.dedent(
     """
-    import sys
+    import mmap, sys
     if sys.argv[1:]:
         from rewardbox.sandbox import template, slot, worker, execution  # what a template holds
-    print(per_fork(500, lambda: None))
+    child = lambda: None
+    if sys.argv[1:] == ["sample"]:
+        # The least a forked exec sample can cost: the child runs the bench's exec reward on one completion and
+        # writes its encoded answer into a mapping shared with its parent, and nothing else (no uid, no cleanup,
+        # no socket, no answer sent).
+        from rewardbox.sandbox import codec
+        from rewardbox.wire import Outcome
+        answer = mmap.mmap(-1, 1 << 16)
+        def run_it(completion):
+            namespace = {}
+            exec(completion, namespace)
+            return float(namespace.get("score", 0.0))
+        def child():
+            data = codec.encode_result([Outcome.ok(run_it("score = 3 / 7"))], "", 0, 4096, 0.001)
+            answer[:len(data)] = data
+    print(per_fork(500, child))
     """
 )
 # What any fresh process per sample must do with the guarantees of isolation: sample (a uid of its own and a
@@ -134,14 +149,15 @@ def _isolation_floor(container) -> Optional[float]:
     return float(out.decode().strip().splitlines()[-1])
 
 
-def _fork_floor(client, image: str) -> tuple[float, float]:
-    """(bare python3, python3 holding the template's modules): CPU seconds per fork+exit+wait, in ``image``."""
+def _fork_floor(client, image: str) -> tuple[float, float, float]:
+    """(bare python3, python3 holding the template's modules, the same whose child also scores one exec sample and
+    encodes its answer): CPU seconds per fork+exit+wait, in ``image``."""
     floors = []
-    for extra in ([], ["template"]):
+    for extra in ([], ["template"], ["sample"]):
         out = client.containers.run(image, ["python3", "-c", FLOOR, *extra], entrypoint=[], remove=True,
                                     network_mode="none", user="65534")
         floors.append(float(out.decode().strip().splitlines()[-1]))
-    return floors[0], floors[1]
+    return floors[0], floors[1], floors[2]
 
 
 def isolation_figures(client, directory: Path, base_image: str, make_config: Callable, make_backend: Callable,
@@ -193,17 +209,21 @@ def isolation_figures(client, directory: Path, base_image: str, make_config: Cal
     backend = make_backend(config, client)
     (image, _), = backend.builder.ensure_images(config.rewards, backend.settings).values()
     if image:
-        bare, template = _fork_floor(client, image)
+        bare, template, sample = _fork_floor(client, image)
         ratio = per_sample["sample"] / bare
         figures += [
             figure("fork floor: bare python3 fork+exit+wait, CPU per fork (same image)", f"{bare * 1000:.2f} ms",
                    "-", None),
             figure("fork floor: python3 holding the template's modules, CPU per fork", f"{template * 1000:.2f} ms",
                    "-", None),
+            figure("sample floor: the same, its child exec'ing one completion and encoding the answer, CPU per "
+                   f"fork ({sample / bare:.1f}x the bare floor)", f"{sample * 1000:.2f} ms", "-", None),
             figure("exec reward, isolation: sample, CPU per sample / bare fork floor", f"{ratio:.1f}x", "<= 2x",
                    ratio <= 2.0),
             figure("exec reward, isolation: sample, CPU per sample / fork floor holding the template's modules",
                    f"{per_sample['sample'] / template:.1f}x", "-", None),
+            figure("exec reward, isolation: sample, CPU per sample / sample floor",
+                   f"{per_sample['sample'] / sample:.1f}x", "<= 2x", per_sample["sample"] / sample <= 2.0),
         ]
     if floors.get("isolated"):
         isolated = floors["isolated"]

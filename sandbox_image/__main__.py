@@ -62,8 +62,11 @@ def scrub_environment_block() -> bool:
     return True
 
 
-def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rewardbox.sandbox", description=__doc__)
+def _parser() -> argparse.ArgumentParser:
+    # A fixed width: argparse would otherwise import shutil for the terminal's, which maps bz2, lzma and zlib into
+    # this process and so into every process forked in the sandbox (about 20 more memory areas each fork copies).
+    parser = argparse.ArgumentParser(prog="python -m rewardbox.sandbox", description=__doc__,
+                                     formatter_class=lambda prog: argparse.HelpFormatter(prog, width=100))
     parser.add_argument("--listen", required=True, help="unix:///path/to.sock or host:port")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is no longer our parent")
     parser.add_argument("--server-uid", type=int, default=None, help="drop to this uid after starting the supervisor")
@@ -82,6 +85,11 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--require-private-tmp", action="store_true",
                         help="exit at start when the private /tmp cannot be made (else: /tmp stays read-only)")
     parser.add_argument("--default-warm", type=int, default=None, help="warm processes of a reward that sets none")
+    return parser
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.private_tmp == "userns":
         private_tmp.drop_sys_admin()  # before anything else runs or is forked

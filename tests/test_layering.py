@@ -72,8 +72,9 @@ def test_the_worker_module_loads_nothing_but_the_standard_library():
 def test_the_processes_that_fork_samples_carry_no_module_whose_at_fork_handler_runs_in_every_child(tmp_path):
     # What the sandbox's entry point imports before it forks the supervisor, and the template after, every forked
     # sample carries: threading's and random's at-fork handlers would run in each (threading's writes about 130
-    # pages, copied, before the sample's first line), logging loads threading, and shutil maps bz2 and lzma. Laid
-    # out as in a sandbox image (the image's own rewardbox/__init__.py), without site-packages.
+    # pages, copied, before the sample's first line), logging loads threading, and shutil (which argparse imports
+    # for the terminal's width) maps bz2 and lzma. Laid out as in a sandbox image (the image's own
+    # rewardbox/__init__.py), without site-packages.
     package = tmp_path / "rewardbox"
     package.mkdir()
     (package / "__init__.py").write_text(image.IMAGE_INIT)
@@ -82,6 +83,7 @@ def test_the_processes_that_fork_samples_carry_no_module_whose_at_fork_handler_r
     code = ("import sys\n"
             "import rewardbox.sandbox.__main__, rewardbox.sandbox.supervisor, rewardbox.sandbox.template\n"
             "import rewardbox.sandbox.slot, rewardbox.sandbox.forked, rewardbox.sandbox.execution\n"
+            "rewardbox.sandbox.__main__._parser().parse_args(['--listen', 'unix:///run/x.sock', '--atomic-kill'])\n"
             "print(sorted(m for m in ('threading', 'random', 'logging', 'asyncio', 'shutil', 'bz2', 'lzma', 'grpc')"
             " if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60, cwd="/",
