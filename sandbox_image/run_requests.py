@@ -40,8 +40,8 @@ def write_frame(sock: socket.socket, message: dict, watch: Optional[socket.socke
     data = json.dumps(message, separators=(",", ":")).encode()
     frame = memoryview(_LENGTH.pack(len(data)) + data)
     if watch is None:
-        # MSG_NOSIGNAL: a slot process keeps SIGPIPE's default action, and a runner that is gone must fail its
-        # program calls, not kill the process (and with it the sample it runs)
+        # MSG_NOSIGNAL: reward code may have given SIGPIPE its default action back (slot processes ignore it, as
+        # python3 does), and a runner that is gone must fail its program calls, not kill the process
         sock.sendall(frame, socket.MSG_NOSIGNAL)
         return
     while frame:
