@@ -19,7 +19,9 @@ Before the next child starts, everything a unit left is gone:
   process still retires it, and the template's next process for the slot cleans up (:func:`.slot.prepare`);
 - its ``/tmp`` (the slot's scratch tmpfs) is emptied;
 - the child's socket to the program runner is its own (:func:`runner_socket`), so a child killed halfway through a
-  request leaves no half frame for the next. The runner is sent it only once the child first writes to it.
+  request leaves no half frame for the next. The runner is sent it only once the child first writes to it, and
+  then lets go of it (with what the child left in flight there) before the next child starts
+  (:func:`.run_requests.release`).
 
 The child writes its answer (a length, then one answer in the format the server reads: :mod:`.codec`) into a memory
 mapping it shares with the slot process, then one byte into a pipe. The slot process waits for that byte by the
@@ -118,9 +120,15 @@ class Forker:
         os.close(write_end)
         if child_end is not None:
             os.close(child_end)
+        handed: list = []  # once the child first wrote to (or closed) its runner socket: whether the runner took it
+
+        def hand_over_runner() -> None:
+            handed.append(hand_over(self.runner, runner_end))
+            if not handed[0]:  # the runner is gone: the child's program calls end now (EOF), not at its deadline
+                runner_end.close()
+
         try:
-            failed, why = _wait(read_end, time.monotonic() + timeout_s + KILL_MARGIN_S, runner_end,
-                                lambda: hand_over(self.runner, runner_end))
+            failed, why = _wait(read_end, time.monotonic() + timeout_s + KILL_MARGIN_S, runner_end, hand_over_runner)
         finally:
             os.close(read_end)
             if runner_end is not None:
@@ -131,6 +139,9 @@ class Forker:
             processes.empty(self.scratch)
         except OSError as e:
             retire = f"what a sample left could not be removed: {e}"
+        if handed and not (handed[0] and run_requests.release(self.runner)):
+            # Its next process gets a socket of its own, and with it a monitor of its own.
+            retire = retire or "the program runner is gone, or did not let go of a finished sample's socket"
         if failed is Status.OK:  # nothing of the uid is left: the answer holds still while it is checked and sent
             (length,) = _LENGTH.unpack_from(answer, 0)
             limit = len(answer) - _LENGTH.size
@@ -178,16 +189,17 @@ def runner_socket(runner: Optional[socket.socket]) -> tuple[Optional[int], Optio
     return theirs.detach(), ours
 
 
-def hand_over(runner: socket.socket, end: socket.socket) -> None:
+def hand_over(runner: socket.socket, end: socket.socket) -> bool:
     """Sends a child's runner socket to the runner over the slot process's own. The runner serves it before anything
-    else this slot sends (:meth:`.runner.Monitor.loop`), until the slot process writes again: only for a later
-    child, once this one is gone. Where the runner is gone, the child's program calls fail clearly (its socket
-    closes with the slot process's end)."""
+    else this slot sends (:meth:`.runner.Monitor.loop`), until the slot process writes again: its
+    :func:`.run_requests.release`, once the child is gone. Returns False where the runner is gone (the caller then
+    closes ``end``, so that the child's program calls fail at once)."""
     try:
         run_requests.write_frame(runner, {"op": run_requests.CHANNEL})
         socket.send_fds(runner, [b"c"], [end.fileno()], socket.MSG_NOSIGNAL)
     except OSError:
-        pass
+        return False
+    return True
 
 
 def _wait(done: int, deadline: float, runner_end: Optional[socket.socket],

@@ -21,6 +21,10 @@ MAX_REQUEST = 256 * 1024 * 1024
 # A slot process's frame that hands the runner a fresh socket for one child of its (:mod:`.forked`); the socket
 # follows as one byte with the descriptor attached.
 CHANNEL = "channel"
+# A slot process's frame, answered with the same frame once nothing a sample left at the runner is left (see
+# :func:`release`).
+RELEASE = "release"
+RELEASE_TIMEOUT_S = 10.0  # the runner kills the programs a sample left and empties their directory first
 MAX_RUNS = 1000
 MAX_FILES = 1000
 
@@ -30,6 +34,27 @@ class RequestError(ValueError):
 
 
 # -- frames ---------------------------------------------------------------------------------------------------------
+def encode_frame(message: dict) -> bytes:
+    data = json.dumps(message, separators=(",", ":")).encode()
+    return _LENGTH.pack(len(data)) + data
+
+
+def release(sock: socket.socket) -> bool:
+    """From a slot process, over its own socket to the runner: waits until nothing a sample left at the runner is
+    left, before the next sample starts. That is a socket the runner served for a forked child, with whatever the
+    child left in flight there (descriptors sent over the socket itself outlive every process: a file that fills
+    the slot's /tmp, a socket set to signal the slot process when it closes), and that child's programs; or, for a
+    slot's new process, all of its last process's (:meth:`.runner.Runner._start` answers once that process's
+    monitor ended). Returns False where the runner is gone or did not answer in RELEASE_TIMEOUT_S."""
+    try:
+        sock.sendall(encode_frame({"op": RELEASE}), socket.MSG_NOSIGNAL)
+        if not select.select([sock], [], [], RELEASE_TIMEOUT_S)[0]:
+            return False
+        return read_frame(sock, 1024) == {"op": RELEASE}
+    except (OSError, RequestError):
+        return False
+
+
 def write_frame(sock: socket.socket, message: dict, watch: Optional[socket.socket] = None) -> None:
     """Sends one JSON object. With ``watch``: gives up (ConnectionAbortedError) as soon as ``watch`` has something
     to read, however slowly the peer keeps reading.
@@ -37,8 +62,7 @@ def write_frame(sock: socket.socket, message: dict, watch: Optional[socket.socke
     Raises:
         OSError: the peer is gone, or (``watch``) no longer wanted.
     """
-    data = json.dumps(message, separators=(",", ":")).encode()
-    frame = memoryview(_LENGTH.pack(len(data)) + data)
+    frame = memoryview(encode_frame(message))
     if watch is None:
         # MSG_NOSIGNAL: reward code may have given SIGPIPE its default action back (slot processes ignore it, as
         # python3 does), and a runner that is gone must fail its program calls, not kill the process

@@ -5,7 +5,9 @@ like the template itself). Each slot process the template starts gets one end of
 the other, with the slot's index: the runner knows which run uid and scratch directory belong to that socket, so
 nothing a slot process says can choose them. When a slot's socket first has a request, the runner forks a monitor
 for it, which serves that socket's requests one after another until it closes; a slot's next monitor starts only
-after the last one ended, so two never share a run uid.
+after the last one ended, so two never share a run uid. A slot's new process asks (:func:`.run_requests.release`)
+before any reward code runs in it, and the runner answers once the last monitor ended: nothing its last process
+left at the runner is left then.
 
 For each program, the monitor:
 
@@ -43,7 +45,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from . import languages, private_tmp, processes, seccomp
-from .run_requests import CHANNEL, MAX_REQUEST, COMPARISONS, Request, RequestError, parse, read_frame, write_frame
+from .run_requests import (CHANNEL, MAX_REQUEST, COMPARISONS, RELEASE, Request, RequestError, encode_frame, parse,
+                           read_frame, write_frame)
 
 # A monitor holds what a sample sends it in memory the sample does not pay for: at most this much (or half the
 # sample's own address space, where it has a limit), so a sample cannot make it hold more than the sample could.
@@ -161,9 +164,14 @@ class Monitor:
             self._as_root()
 
     def materialize(self, entries: dict) -> None:
-        """Writes {relative path: (content, mode)} into the (empty) scratch directory, as the run uid."""
+        """Writes {relative path: (content, mode)} into the (empty) scratch directory, as the run uid.
+
+        Raises:
+            RequestError: an entry cannot be written (a path under a file the request also names, no space left).
+        """
         if self.slot.uid is not None:
             self._as_run_uid()
+        name = ""
         try:
             top = os.open(self.slot.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
             try:
@@ -191,6 +199,8 @@ class Monitor:
                             os.close(fd)
             finally:
                 os.close(top)
+        except OSError as e:
+            raise RequestError(f"files: {name!r} cannot be written: {e.strerror or e}") from None
         finally:
             if self.slot.uid is not None:
                 self._as_root()
@@ -517,8 +527,8 @@ class Monitor:
     def _serve(self) -> int:
         """Serves ``self.sock`` until it closes. A slot process's :data:`.run_requests.CHANNEL` frame (not a
         child's) hands over a child's own socket, which is served first, until it closes or the slot process writes
-        again (only once that child is gone, whoever else holds its socket): a child killed in the middle of a
-        request leaves its half frame on a socket nobody reads again."""
+        again (its :data:`.run_requests.RELEASE` frame, once that child is gone, whoever else holds its socket): a
+        child killed in the middle of a request leaves its half frame on a socket nobody reads again."""
         while True:
             try:
                 message = read_frame(self.sock, self.frame_limit, self.parent)
@@ -534,6 +544,14 @@ class Monitor:
                 return CLOSED
             if message.get("op") == CHANNEL and self.parent is None:
                 self._serve_child()
+                continue
+            if message.get("op") == RELEASE and self.parent is None:
+                # The child is gone: _serve_child returned (the slot process wrote), closed its socket, and its
+                # programs were killed and cleaned up after (Monitor.serve).
+                try:
+                    write_frame(self.sock, {"op": RELEASE})
+                except OSError:
+                    return CLOSED
                 continue
             try:
                 reply = self.serve(parse(message))
@@ -560,11 +578,32 @@ class Monitor:
             self.sock.setblocking(True)  # its replies are written watching the slot's socket (write_frame's watch)
             self._serve()
         finally:
-            self.sock.close()
+            let_go(self.sock)
             self.sock, self.parent = self.parent, None
 
 
 SEND_TIMEOUT_S = 2
+LET_GO_READS = 256  # at most this many reads (of up to 64 KiB and 64 descriptors each) before a socket is closed
+
+
+def let_go(sock: socket.socket) -> None:
+    """Closes a socket a sample wrote to, after reading (and closing) the descriptors it left in flight there. Under
+    gVisor, which has no collector for Unix sockets sent over themselves, a sample's socket sent over that very
+    socket (with what else came along: an unlinked file that fills the slot's /tmp) would otherwise live on for
+    good once the socket closed; Linux collects them. Bounded: another process may still hold the socket and keep
+    writing."""
+    try:
+        sock.setblocking(False)
+        for _ in range(LET_GO_READS):
+            data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 64)
+            for fd in fds:
+                os.close(fd)
+            if not data and not fds:
+                break
+    except OSError:
+        pass
+    finally:
+        sock.close()
 
 
 def _bound_sends(sock: socket.socket) -> None:
@@ -590,11 +629,17 @@ def _start_monitor(slot: RunSlot, sock: socket.socket, keep: tuple = ()) -> int:
             processes.become_subreaper()
             code = Monitor(slot, sock).loop()
         finally:
-            os._exit(code)
+            try:
+                let_go(sock)
+            finally:
+                os._exit(code)
     return pid
 
 
 # -- the runner -----------------------------------------------------------------------------------------------------
+_RELEASE_FRAME = encode_frame({"op": RELEASE})
+
+
 class Runner:
     """One per template: hands each slot socket with a request to a monitor, one monitor per slot at a time."""
 
@@ -637,7 +682,7 @@ class Runner:
         old = self.sockets.pop(index, None)
         if old is not None:
             self.selector.unregister(old)
-            old.close()
+            let_go(old)
         sock = socket.socket(fileno=fd)
         sock.setblocking(True)
         self.sockets[index] = sock
@@ -657,11 +702,20 @@ class Runner:
     def _start(self, index: int) -> None:
         sock = self.sockets[index]
         try:
-            first = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            first = sock.recv(len(_RELEASE_FRAME), socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except BlockingIOError:
             return
         except OSError:
             first = b""
+        if first == _RELEASE_FRAME:
+            # A slot's new process asks before any reward code runs in it (slot._released). Its socket is read
+            # only once the slot's last monitor ended (_reap): nothing its last process left here is left.
+            try:
+                sock.recv(len(first))
+                sock.sendall(_RELEASE_FRAME)
+            except OSError:
+                pass
+            return  # its first request starts a monitor
         self.sockets.pop(index)
         self.selector.unregister(sock)
         if not first:

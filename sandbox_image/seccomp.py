@@ -10,7 +10,11 @@ Docker's seccomp profile let these through, and a sample must not make a user na
 opens to an unprivileged user is large) nor change its mounts (its ``/tmp``). ``prlimit64`` and the
 ``sched_set*`` calls work on the calling process only (pid 0): a sample forked by its slot process shares its uid,
 and could otherwise lower the limits, the CPUs or the scheduling class that every later child of it inherits
-(:mod:`.forked`). ``clone3`` answers ENOSYS (its flags
+(:mod:`.forked`). Nor may a sample choose which process the kernel signals for a descriptor (``fcntl`` F_SETOWN
+and F_SETOWN_EX, ``ioctl`` FIOSETOWN and SIOCSPGRP): a descriptor can outlive every process of the sample (sent
+over a socket, in flight in the runner's), and would signal its slot process at a moment it chose. And
+``memfd_create``: a memory file is held by its descriptor, not by any process, so it counts toward no process's
+memory, and the OOM killer would take an innocent concurrent sample instead. ``clone3`` answers ENOSYS (its flags
 are in memory a filter cannot read; the C library falls back to ``clone``). A system call of another architecture
 or ABI (x32) kills the process. Standard library only (ctypes for prctl).
 
@@ -40,6 +44,10 @@ _LD_W_ABS = 0x20
 _JEQ_K = 0x15
 _JSET_K = 0x45
 _ARG0_LOW = 16  # offsetof(struct seccomp_data, args[0]), little-endian: its low 32 bits
+_ARG1_LOW = 24  # args[1]'s
+# fcntl commands and ioctl requests that choose the process signalled for a descriptor (F_SETOWN, F_SETOWN_EX;
+# FIOSETOWN, SIOCSPGRP)
+_SIGNAL_OWNER = {"fcntl": (8, 15), "ioctl": (0x8901, 0x8902)}
 _JGE_K = 0x35
 _RET_K = 0x06
 
@@ -48,7 +56,8 @@ _DENIED = ("shmget", "shmat", "shmctl", "shmdt", "semget", "semop", "semtimedop"
            "msgrcv", "msgctl", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify",
            "mq_getsetattr", "ptrace", "process_vm_readv", "process_vm_writev", "add_key", "request_key", "keyctl",
            "userfaultfd", "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "open_tree", "move_mount",
-           "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "bpf", "perf_event_open", "ioprio_set")
+           "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "bpf", "perf_event_open", "ioprio_set",
+           "memfd_create")
 _NO_NETWORK = ("socket", "io_uring_setup", "io_uring_enter", "io_uring_register")
 _SELF_ONLY = ("prlimit64", "sched_setaffinity", "sched_setscheduler", "sched_setparam", "sched_setattr")
 _TABLES = {
@@ -61,8 +70,9 @@ _TABLES = {
         "userfaultfd": 323, "clone": 56, "clone3": 435, "unshare": 272, "setns": 308, "mount": 165,
         "umount2": 166, "pivot_root": 155, "chroot": 161, "open_tree": 428, "move_mount": 429, "fsopen": 430,
         "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442, "bpf": 321,
-        "perf_event_open": 298, "ioprio_set": 251, "prlimit64": 302, "sched_setaffinity": 203, "sched_setscheduler": 144,
-        "sched_setparam": 142, "sched_setattr": 314}),
+        "perf_event_open": 298, "ioprio_set": 251, "prlimit64": 302, "sched_setaffinity": 203,
+        "sched_setscheduler": 144, "sched_setparam": 142, "sched_setattr": 314, "memfd_create": 319, "fcntl": 72,
+        "ioctl": 16}),
     "aarch64": (0xC00000B7, None, {"socket": 198, "io_uring_setup": 425, "io_uring_enter": 426,
                                    "io_uring_register": 427,
         "mq_open": 180, "mq_unlink": 181, "mq_timedsend": 182, "mq_timedreceive": 183, "mq_notify": 184,
@@ -73,7 +83,7 @@ _TABLES = {
         "mount": 40, "umount2": 39, "pivot_root": 41, "chroot": 51, "open_tree": 428, "move_mount": 429,
         "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442, "bpf": 280,
         "perf_event_open": 241, "ioprio_set": 30, "prlimit64": 261, "sched_setaffinity": 122, "sched_setscheduler": 119,
-        "sched_setparam": 118, "sched_setattr": 274}),
+        "sched_setparam": 118, "sched_setattr": 274, "memfd_create": 279, "fcntl": 25, "ioctl": 29}),
 }
 
 
@@ -105,8 +115,14 @@ def program(machine: str, network: bool = True) -> bytes:
         code.append((_JEQ_K, "eperm", None, number))
     for number in sorted(numbers[name] for name in _SELF_ONLY):
         code.append((_JEQ_K, "self", None, number))
-    code += [(_RET_K, None, None, _RET_ALLOW),
-             ("self", None, None, None), (_LD_W_ABS, None, None, _ARG0_LOW),  # the pid (a 32-bit int)
+    for name in _SIGNAL_OWNER:
+        code.append((_JEQ_K, name, None, numbers[name]))
+    code.append((_RET_K, None, None, _RET_ALLOW))
+    for name, commands in _SIGNAL_OWNER.items():
+        code += [(name, None, None, None), (_LD_W_ABS, None, None, _ARG1_LOW)]  # the command (a 32-bit int)
+        code += [(_JEQ_K, "eperm", None, command) for command in commands]
+        code.append((_RET_K, None, None, _RET_ALLOW))
+    code += [("self", None, None, None), (_LD_W_ABS, None, None, _ARG0_LOW),  # the pid (a 32-bit int)
              (_JEQ_K, "allow", "eperm", 0),
              ("clone", None, None, None), (_LD_W_ABS, None, None, _ARG0_LOW),
              (_JSET_K, "eperm", "allow", _NAMESPACE_FLAGS),

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..wire import Outcome, Status, trainer_state_from_dict
-from . import codec, execution, forked, private_tmp, processes, reuse, seccomp, worker
+from . import codec, execution, forked, private_tmp, processes, reuse, run_requests, seccomp, worker
 from .channel import ChannelClosed, optional_fd, recv
 from .processes import die_with_parent, empty, kill_uid, remove_ipc
 
@@ -137,11 +137,25 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
     os.chdir(home)
     if any(os.environ.get(name) != home for name in HOME_VARIABLES):  # the template set them where it could
         os.environ.update(dict.fromkeys(HOME_VARIABLES, home))
+    if slot.uid is not None and run_fd is not None and not _released(run_fd):
+        os.close(run_fd)
+        run_fd = None
     execution.attach(run_fd, "" if run_fd is not None or slot.uid is None else
                      "this sandbox cannot run programs: it has no uid for them (started without --run-uids) or its "
                      "program runner is gone (see the sandbox's log)")
     worker.install_capture()
     return mark
+
+
+def _released(run_fd: int) -> bool:
+    """Waits until the program runner holds nothing the slot's last process left there (the socket it served, with
+    descriptors a sample sent over it in flight, and their programs): the runner answers on this process's fresh
+    socket only once the last one's monitor ended (:func:`.run_requests.release`). Before any reward code runs."""
+    channel = socket.socket(fileno=run_fd)
+    try:
+        return run_requests.release(channel)
+    finally:
+        channel.detach()
 
 
 async def _receive(recv_into: Callable) -> codec.Request:

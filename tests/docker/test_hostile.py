@@ -195,6 +195,19 @@ def test_signals_and_ptrace_reach_no_other_process(hostile_sandboxes):
     # sample fails, as every innocent above and after it shows.
 
 
+def test_memory_no_process_holds_cannot_be_made(hostile_sandboxes):
+    # A memory file is held by its descriptor, not by a process: 3 GiB of it counted toward no process's memory, and
+    # the OOM killer took concurrent innocents instead of the sample that held it (red team). memfd_create is
+    # refused (seccomp.py); /tmp is the sample's own tmpfs, of a fixed size.
+    attack(hostile_sandboxes, """
+        import os
+        fd = os.memfd_create("hoard")
+        for _ in range(192):
+            os.write(fd, bytes(16 << 20))
+        score = 100.0
+    """, {Status.ERROR})
+
+
 def test_a_setsid_daemon_burning_cpu_dies_with_its_sample(hostile_sandboxes):
     attack(hostile_sandboxes, """
         import os

@@ -296,6 +296,88 @@ def test_half_a_frame_left_to_the_program_runner_reaches_no_later_sample(sandbox
     assert report.values[:4] == [1.0] * 4, report.errors[:4]
 
 
+RUNS = textwrap.dedent("""
+    from rewardbox.sandbox import run
+    result = run("print(6 * 7)")
+    score = 0.75 if result.stdout.strip() == "42" else 0.0
+""")
+
+
+def test_a_request_whose_files_cannot_be_written_fails_alone_and_the_runner_serves_on(sandboxes):
+    # A file and a directory of the same name, either way round: the runner's monitor for that slot died of it, and
+    # every later sample of the slot that ran a program waited for its timeout. (Red team.)
+    clash = textwrap.dedent("""
+        from rewardbox.sandbox import run
+        failed = []
+        for files in ({"a": "x", "a/b": "y"}, {"a/b": "y", "a": "x"}):
+            try:
+                run("print(1)", files=files)
+            except ValueError as e:
+                failed.append("cannot be written" in str(e))
+        score = 1.0 if failed == [True, True] else 0.0
+    """)
+    report, elapsed = _innocents_after(sandboxes, [clash] * 2, RUNS, 0.75, 8)
+    assert report.values[:2] == [1.0] * 2, report.errors[:2]
+    assert elapsed < TIMEOUT_S + 5, elapsed
+
+
+def test_what_a_sample_leaves_in_flight_at_the_program_runner_is_gone_before_the_next_sample(sandboxes):
+    # A sample holds a file that fills most of its /tmp (unlinked: emptying /tmp does not free it), asks for a
+    # program whose reply it never reads, and sends the file and its own socket over that socket: in flight in the
+    # runner's receive queue, they outlive the sample's processes. The runner now lets go of a sample's socket before the slot's next sample starts,
+    # not once a later sample runs a program. (Red team: a socket left so, set to signal the slot process when it
+    # closed, killed it while it ran an innocent.)
+    stash = textwrap.dedent("""
+        import os, socket, time
+        from rewardbox.sandbox import execution, run_requests
+        fd = os.open("/tmp/held", os.O_RDWR | os.O_CREAT)
+        os.write(fd, b"x" * (48 << 20))
+        os.unlink("/tmp/held")
+        sock = execution._connect().sock
+        run_requests.write_frame(sock, {  # a reply it never reads: the runner blocks writing it, reading nothing
+            "language": "python", "code": "import sys; sys.stdout.write('B' * (1 << 20))", "files": {},
+            "runs": [{"stdin": "", "args": []}], "timeout_s": 3, "memory_mb": 256, "max_output_bytes": 2 << 20,
+            "compile_timeout_s": 30})
+        time.sleep(0.5)
+        socket.send_fds(sock, [b"x"], [sock.fileno(), fd])
+        score = 1.0
+    """)
+    # Without the runner (this sample never runs a program): its /tmp has room for what the one before held.
+    writes = "open('/tmp/big', 'wb').write(b'y' * (48 << 20))\nscore = 0.5"
+    report, _ = _innocents_after(sandboxes, [stash] * 2, writes, 0.5, 8)
+    assert report.values[:2] == [1.0] * 2, report.errors[:2]
+
+
+def test_a_sample_cannot_have_a_descriptor_signal_the_process_that_forked_it(sandboxes):
+    # The red team's trap: the sample makes the runner block writing a reply it never reads, sets its socket to
+    # signal its slot process (O_ASYNC, F_SETOWN), and leaves the socket in flight in the runner's receive queue;
+    # when the runner closed it, SIGIO killed the slot process while it ran a later innocent (a crash blamed on the
+    # innocent, the trap's own sample scored ok). F_SETOWN is refused now, and the runner lets go of the socket
+    # before the slot's next sample starts.
+    trap = textwrap.dedent("""
+        import fcntl, os, socket, time
+        from rewardbox.sandbox import execution, run_requests
+        sock = execution._connect().sock
+        run_requests.write_frame(sock, {
+            "language": "python", "code": "import sys; sys.stdout.write('B' * (1 << 20))", "files": {},
+            "runs": [{"stdin": "", "args": []}], "timeout_s": 3, "memory_mb": 256, "max_output_bytes": 2 << 20,
+            "compile_timeout_s": 30})
+        time.sleep(0.5)  # the runner is blocked writing the rest of the reply
+        signalled = 0.0
+        try:
+            fcntl.fcntl(sock.fileno(), fcntl.F_SETOWN, os.getppid())
+            signalled = 1.0
+        except PermissionError:
+            pass
+        fcntl.fcntl(sock.fileno(), fcntl.F_SETFL, fcntl.fcntl(sock.fileno(), fcntl.F_GETFL) | os.O_ASYNC)
+        socket.send_fds(sock, [b"x"], [sock.fileno()])
+        score = signalled
+    """)
+    report, _ = _innocents_after(sandboxes, [trap] * 2, RUNS, 0.75, 8)
+    assert report.values[:2] == [0.0] * 2, report.errors[:2]
+    _innocents_after(sandboxes, [], RUNS, 0.75, 8)
+
+
 def test_bytes_written_to_the_program_runner_while_a_program_runs_end_that_program(sandboxes):
     # A sample's process writes to its runner socket while its own program runs (rewardbox.sandbox.run never does):
     # the runner kills the program and serves that socket no more. Before, it stopped watching the socket, so the

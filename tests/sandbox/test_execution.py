@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import platform
 import struct
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -139,6 +142,38 @@ def test_the_programs_filter_refuses_socket_and_io_uring():
     compared = {struct.unpack("<HBBI", strict[i:i + 8])[3] for i in range(0, len(strict), 8)}
     assert {numbers["socket"], numbers["io_uring_setup"]} <= compared
     assert len(strict) == len(relaxed) + 4 * 8
+
+
+def test_the_samples_filter_lets_no_descriptor_signal_another_process_and_makes_no_memory_file():
+    # In a fresh process (the filter stays with it): what a descriptor that outlives its sample could do to the
+    # slot process that forked it, and memory that no process holds, refused; the same calls' everyday uses kept.
+    code = textwrap.dedent("""
+        import errno, fcntl, os, socket, struct, termios
+        from rewardbox.sandbox import seccomp
+        seccomp.install()
+        a, b = socket.socketpair()
+        outcomes = []
+        for name, call in [
+                ("F_SETOWN", lambda: fcntl.fcntl(a, fcntl.F_SETOWN, os.getppid())),
+                ("F_SETOWN_EX", lambda: fcntl.fcntl(a, 15, struct.pack("ii", 1, os.getppid()))),
+                ("FIOSETOWN", lambda: fcntl.ioctl(a, 0x8901, struct.pack("i", os.getppid()))),
+                ("SIOCSPGRP", lambda: fcntl.ioctl(a, 0x8902, struct.pack("i", os.getppid()))),
+                ("memfd_create", lambda: os.memfd_create("x")),
+                ("F_SETFL O_ASYNC", lambda: fcntl.fcntl(a, fcntl.F_SETFL, fcntl.fcntl(a, fcntl.F_GETFL) | os.O_ASYNC)),
+                ("F_GETOWN", lambda: fcntl.fcntl(a, fcntl.F_GETOWN)),
+                ("FIONREAD", lambda: fcntl.ioctl(a, termios.FIONREAD, bytes(4))),
+                ("F_SETFD", lambda: fcntl.fcntl(a, fcntl.F_SETFD, fcntl.FD_CLOEXEC))]:
+            try:
+                call()
+                outcomes.append(f"{name}: ok")
+            except OSError as e:
+                outcomes.append(f"{name}: {errno.errorcode[e.errno]}")
+        print("; ".join(outcomes))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ("F_SETOWN: EPERM; F_SETOWN_EX: EPERM; FIOSETOWN: EPERM; SIOCSPGRP: EPERM; "
+                                  "memfd_create: EPERM; F_SETFL O_ASYNC: ok; F_GETOWN: ok; FIONREAD: ok; F_SETFD: ok")
 
 
 REWARD = """
