@@ -14,7 +14,10 @@ and could otherwise lower the limits, the CPUs or the scheduling class that ever
 and F_SETOWN_EX, ``ioctl`` FIOSETOWN and SIOCSPGRP): a descriptor can outlive every process of the sample (sent
 over a socket, in flight in the runner's), and would signal its slot process at a moment it chose. And
 ``memfd_create``: a memory file is held by its descriptor, not by any process, so it counts toward no process's
-memory, and the OOM killer would take an innocent concurrent sample instead. ``clone3`` answers ENOSYS (its flags
+memory, and the OOM killer would take an innocent concurrent sample instead. For the same reason a socket's
+buffers stay at their default size: ``setsockopt`` SO_SNDBUF, SO_RCVBUF and their FORCE forms succeed and change
+nothing (the kernel may adjust what is asked anyway), so what a sample's sockets hold is bounded by its open files
+(:data:`.slot.SAMPLE_OPEN_FILES`). ``clone3`` answers ENOSYS (its flags
 are in memory a filter cannot read; the C library falls back to ``clone``). A system call of another architecture
 or ABI (x32) kills the process. Standard library only (ctypes for prctl).
 
@@ -48,6 +51,9 @@ _ARG1_LOW = 24  # args[1]'s
 # fcntl commands and ioctl requests that choose the process signalled for a descriptor (F_SETOWN, F_SETOWN_EX;
 # FIOSETOWN, SIOCSPGRP)
 _SIGNAL_OWNER = {"fcntl": (8, 15), "ioctl": (0x8901, 0x8902)}
+_ARG2_LOW = 32  # args[2]'s
+_SOL_SOCKET = 1
+_BUFFER_SIZES = (7, 8, 32, 33)  # SO_SNDBUF, SO_RCVBUF, SO_SNDBUFFORCE, SO_RCVBUFFORCE
 _JGE_K = 0x35
 _RET_K = 0x06
 
@@ -72,7 +78,7 @@ _TABLES = {
         "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442, "bpf": 321,
         "perf_event_open": 298, "ioprio_set": 251, "prlimit64": 302, "sched_setaffinity": 203,
         "sched_setscheduler": 144, "sched_setparam": 142, "sched_setattr": 314, "memfd_create": 319, "fcntl": 72,
-        "ioctl": 16}),
+        "ioctl": 16, "setsockopt": 54}),
     "aarch64": (0xC00000B7, None, {"socket": 198, "io_uring_setup": 425, "io_uring_enter": 426,
                                    "io_uring_register": 427,
         "mq_open": 180, "mq_unlink": 181, "mq_timedsend": 182, "mq_timedreceive": 183, "mq_notify": 184,
@@ -83,7 +89,8 @@ _TABLES = {
         "mount": 40, "umount2": 39, "pivot_root": 41, "chroot": 51, "open_tree": 428, "move_mount": 429,
         "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442, "bpf": 280,
         "perf_event_open": 241, "ioprio_set": 30, "prlimit64": 261, "sched_setaffinity": 122, "sched_setscheduler": 119,
-        "sched_setparam": 118, "sched_setattr": 274, "memfd_create": 279, "fcntl": 25, "ioctl": 29}),
+        "sched_setparam": 118, "sched_setattr": 274, "memfd_create": 279, "fcntl": 25, "ioctl": 29,
+        "setsockopt": 208}),
 }
 
 
@@ -117,6 +124,11 @@ def program(machine: str, network: bool = True) -> bytes:
         code.append((_JEQ_K, "self", None, number))
     for name in _SIGNAL_OWNER:
         code.append((_JEQ_K, name, None, numbers[name]))
+    code.append((_JEQ_K, "setsockopt", None, numbers["setsockopt"]))
+    code.append((_RET_K, None, None, _RET_ALLOW))
+    code += [("setsockopt", None, None, None), (_LD_W_ABS, None, None, _ARG1_LOW),  # the level
+             (_JEQ_K, None, "allow", _SOL_SOCKET), (_LD_W_ABS, None, None, _ARG2_LOW)]  # the option
+    code += [(_JEQ_K, "ignore", None, option) for option in _BUFFER_SIZES]
     code.append((_RET_K, None, None, _RET_ALLOW))
     for name, commands in _SIGNAL_OWNER.items():
         code += [(name, None, None, None), (_LD_W_ABS, None, None, _ARG1_LOW)]  # the command (a 32-bit int)
@@ -128,6 +140,7 @@ def program(machine: str, network: bool = True) -> bytes:
              (_JSET_K, "eperm", "allow", _NAMESPACE_FLAGS),
              ("allow", None, None, None), (_RET_K, None, None, _RET_ALLOW),
              ("eperm", None, None, None), (_RET_K, None, None, _RET_ERRNO | _EPERM),
+             ("ignore", None, None, None), (_RET_K, None, None, _RET_ERRNO | 0),  # returns 0, does nothing
              ("enosys", None, None, None), (_RET_K, None, None, _RET_ERRNO | _ENOSYS),
              ("kill", None, None, None), (_RET_K, None, None, _RET_KILL_PROCESS)]
     return _assemble(code)

@@ -79,6 +79,9 @@ SAMPLE_NICE = 19
 HOME_VARIABLES = ("HOME", "TMPDIR", "PWD")
 
 
+SAMPLE_OPEN_FILES = 512  # a slot process's descriptors (its own included): see prepare
+
+
 def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> int:
     """Makes this freshly forked process a slot (see the module docstring). Returns the IPC mark for the template.
     ``run_fd``: its socket to the program runner (:mod:`.runner`), kept open for :func:`rewardbox.sandbox.run`.
@@ -128,6 +131,12 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
     if slot.memory is not None:
         resource.setrlimit(resource.RLIMIT_AS, (slot.memory, slot.memory))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if slot.uid is not None:
+        # What a sample's sockets and pipes hold (kernel memory, in no process's resident set, so the OOM killer
+        # would take innocent concurrent samples for it) is bounded by its open files: about 120 MB at most.
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        limit = SAMPLE_OPEN_FILES if hard == resource.RLIM_INFINITY else min(SAMPLE_OPEN_FILES, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
     if slot.uid is not None:
         # Samples yield the CPU to the sandbox's own processes (nice only weighs tasks of the container's own
         # cgroup against each other: the container's share of the machine is unchanged). Whatever a sample leaves

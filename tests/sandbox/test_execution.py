@@ -144,9 +144,10 @@ def test_the_programs_filter_refuses_socket_and_io_uring():
     assert len(strict) == len(relaxed) + 4 * 8
 
 
-def test_the_samples_filter_lets_no_descriptor_signal_another_process_and_makes_no_memory_file():
+def test_the_samples_filter_lets_no_descriptor_signal_another_process_nor_memory_grow_outside_processes():
     # In a fresh process (the filter stays with it): what a descriptor that outlives its sample could do to the
-    # slot process that forked it, and memory that no process holds, refused; the same calls' everyday uses kept.
+    # slot process that forked it, and memory that no process holds (memory files, socket buffers grown), refused;
+    # the same calls' everyday uses kept.
     code = textwrap.dedent("""
         import errno, fcntl, os, socket, struct, termios
         from rewardbox.sandbox import seccomp
@@ -162,18 +163,26 @@ def test_the_samples_filter_lets_no_descriptor_signal_another_process_and_makes_
                 ("F_SETFL O_ASYNC", lambda: fcntl.fcntl(a, fcntl.F_SETFL, fcntl.fcntl(a, fcntl.F_GETFL) | os.O_ASYNC)),
                 ("F_GETOWN", lambda: fcntl.fcntl(a, fcntl.F_GETOWN)),
                 ("FIONREAD", lambda: fcntl.ioctl(a, termios.FIONREAD, bytes(4))),
-                ("F_SETFD", lambda: fcntl.fcntl(a, fcntl.F_SETFD, fcntl.FD_CLOEXEC))]:
+                ("F_SETFD", lambda: fcntl.fcntl(a, fcntl.F_SETFD, fcntl.FD_CLOEXEC)),
+                ("SO_SNDBUF", lambda: a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)),
+                ("SO_RCVBUF", lambda: a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)),
+                ("SO_PASSCRED", lambda: a.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1))]:
             try:
                 call()
                 outcomes.append(f"{name}: ok")
             except OSError as e:
                 outcomes.append(f"{name}: {errno.errorcode[e.errno]}")
         print("; ".join(outcomes))
+        print(a.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == b.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF),
+              a.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == b.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
+              a.getsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED))
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == ("F_SETOWN: EPERM; F_SETOWN_EX: EPERM; FIOSETOWN: EPERM; SIOCSPGRP: EPERM; "
-                                  "memfd_create: EPERM; F_SETFL O_ASYNC: ok; F_GETOWN: ok; FIONREAD: ok; F_SETFD: ok")
+    assert out.stdout.splitlines() == [
+        "F_SETOWN: EPERM; F_SETOWN_EX: EPERM; FIOSETOWN: EPERM; SIOCSPGRP: EPERM; memfd_create: EPERM; "
+        "F_SETFL O_ASYNC: ok; F_GETOWN: ok; FIONREAD: ok; F_SETFD: ok; SO_SNDBUF: ok; SO_RCVBUF: ok; SO_PASSCRED: ok",
+        "True True 1"]  # buffer sizes asked for are taken and change nothing: both ends keep the default
 
 
 REWARD = """
