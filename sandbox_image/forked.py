@@ -127,8 +127,18 @@ class Forker:
             if not handed[0]:  # the runner is gone: the child's program calls end now (EOF), not at its deadline
                 runner_end.close()
 
+        reaped: dict = {}  # the child's wait status, where it was reaped while the unit ran
+
+        def reap() -> None:
+            # What the unit's own forks orphan comes to this process (their subreaper): a zombie still counts toward
+            # the uid's process limit, so left unreaped until the unit ends, they would stop its forks halfway.
+            for child, wait_status in processes.exited_children():
+                if child == pid:
+                    reaped[pid] = wait_status
+
         try:
-            failed, why = _wait(read_end, time.monotonic() + timeout_s + KILL_MARGIN_S, runner_end, hand_over_runner)
+            failed, why = _wait(read_end, time.monotonic() + timeout_s + KILL_MARGIN_S, runner_end, hand_over_runner,
+                                reap)
         finally:
             os.close(read_end)
             if runner_end is not None:
@@ -136,6 +146,7 @@ class Forker:
         status, retire = None, None
         try:
             status = processes.kill_descendants(pid)
+            status = reaped.get(pid, status)
             processes.empty(self.scratch)
         except OSError as e:
             retire = f"what a sample left could not be removed: {e}"
@@ -202,19 +213,25 @@ def hand_over(runner: socket.socket, end: socket.socket) -> bool:
     return True
 
 
-def _wait(done: int, deadline: float, runner_end: Optional[socket.socket],
-          hand_over_runner: Callable[[], None]) -> tuple[Status, str]:
+REAP_EVERY_S = 0.02  # while a unit runs longer than this, what exited of its processes is reaped this often
+
+
+def _wait(done: int, deadline: float, runner_end: Optional[socket.socket], hand_over_runner: Callable[[], None],
+          reap: Callable[[], None]) -> tuple[Status, str]:
     """Waits for the child's DONE byte on ``done``: (ok when it came, timeout when the deadline passed first, crash
     when the pipe closed without it, invalid when something else came; and what to add). Meanwhile, the first time
     the child writes to (or closes) its runner socket, ``hand_over_runner()`` passes the other end, ``runner_end``,
-    to the runner."""
+    to the runner, and every REAP_EVERY_S ``reap()`` runs."""
     poller = select.poll()
     poller.register(done, select.POLLIN)
     if runner_end is not None:
         poller.register(runner_end, select.POLLIN)
     while True:
         left = deadline - time.monotonic()
-        events = poller.poll(left * 1000) if left > 0 else []
+        events = poller.poll(min(left, REAP_EVERY_S) * 1000) if left > 0 else []
+        if not events and left > REAP_EVERY_S:
+            reap()
+            continue
         if not events:
             return Status.TIMEOUT, ""
         if any(fd == done for fd, _ in events):

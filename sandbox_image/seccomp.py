@@ -3,11 +3,13 @@
 It refuses (EPERM) the system calls that would give a sample state outside its own processes and files, or reach
 into other processes: SysV IPC and POSIX message queues (objects that outlive the sample; gVisor ignores the
 sysctls that switch them off under runc), ptrace and process_vm_* (tracing, and tracees that cannot be stopped),
-kernel keyrings, userfaultfd and ``ioprio_set`` (it can set the I/O class of the uid's other processes). It also
+kernel keyrings, userfaultfd, ``ioprio_set`` (it can set the I/O class of the uid's other processes) and io_uring
+(whose operations no seccomp filter sees, and whose rings are memory in no process's resident set). It also
 refuses new namespaces and mounts (``unshare``, ``setns``, ``clone`` with a namespace flag, ``mount`` and the new
-mount API, ``pivot_root``, ``chroot``), ``bpf`` and ``perf_event_open``: a container that holds ``SYS_ADMIN`` for the private ``/tmp`` (:mod:`.private_tmp`) has
-Docker's seccomp profile let these through, and a sample must not make a user namespace (the kernel code that
-opens to an unprivileged user is large) nor change its mounts (its ``/tmp``). ``prlimit64`` and the
+mount API, ``pivot_root``, ``chroot``), ``bpf`` and ``perf_event_open``: a container that holds ``SYS_ADMIN`` for
+the private ``/tmp`` (:mod:`.private_tmp`) has Docker's seccomp profile let these through, and a sample must not
+make a user namespace (the kernel code that opens to an unprivileged user is large) nor change its mounts (its
+``/tmp``). ``prlimit64`` and the
 ``sched_set*`` calls work on the calling process only (pid 0): a sample forked by its slot process shares its uid,
 and could otherwise lower the limits, the CPUs or the scheduling class that every later child of it inherits
 (:mod:`.forked`). Nor may a sample choose which process the kernel signals for a descriptor (``fcntl`` F_SETOWN
@@ -22,8 +24,8 @@ are in memory a filter cannot read; the C library falls back to ``clone``). A sy
 or ABI (x32) kills the process. Standard library only (ctypes for prctl).
 
 Programs that reward code runs (:mod:`.execution`) get a stricter filter on top: no ``socket()`` at all (socket
-pairs stay) and no io_uring (which can open sockets too), so they have no network even inside a reward that has
-one, and no named or abstract Unix sockets to meet concurrent programs of other samples on.
+pairs stay), so they have no network even inside a reward that has one, and no named or abstract Unix sockets to
+meet concurrent programs of other samples on.
 """
 
 from __future__ import annotations
@@ -63,8 +65,8 @@ _DENIED = ("shmget", "shmat", "shmctl", "shmdt", "semget", "semop", "semtimedop"
            "mq_getsetattr", "ptrace", "process_vm_readv", "process_vm_writev", "add_key", "request_key", "keyctl",
            "userfaultfd", "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "open_tree", "move_mount",
            "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "bpf", "perf_event_open", "ioprio_set",
-           "memfd_create")
-_NO_NETWORK = ("socket", "io_uring_setup", "io_uring_enter", "io_uring_register")
+           "memfd_create", "io_uring_setup", "io_uring_enter", "io_uring_register")
+_NO_NETWORK = ("socket",)
 _SELF_ONLY = ("prlimit64", "sched_setaffinity", "sched_setscheduler", "sched_setparam", "sched_setattr")
 _TABLES = {
     "x86_64": (0xC000003E, 0x40000000, {"socket": 41, "io_uring_setup": 425, "io_uring_enter": 426,

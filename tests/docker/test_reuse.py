@@ -272,6 +272,26 @@ def test_a_sample_cannot_hold_memory_for_which_innocents_are_killed_in_its_socke
     assert all(v is not None and v <= 256 for v in report.values[:2]), (report.values[:2], report.errors[:2])
 
 
+def test_what_a_samples_own_forks_orphan_is_reaped_while_it_runs(sandboxes):
+    # Each grandchild outlives its parent and comes to the slot process (forked samples: their subreaper) or to the
+    # template. A zombie still counts toward the uid's process limit (44 here): left unreaped until the sample ended,
+    # they stopped the sample's own forks halfway (EAGAIN; seen as a flaky hostile test). (gVisor forks slowly.)
+    orphans = textwrap.dedent(f"""
+        import os, time
+        for _ in range({100 if sandboxes.runtime == "runc" else 60}):
+            if os.fork() == 0:
+                if os.fork() == 0:
+                    os._exit(0)
+                os._exit(0)
+            os.waitpid(-1, 0)
+            time.sleep(0.002)
+        score = 1.0
+    """)
+    score(sandboxes, "run", ["score = 0.5"] * 2)  # its samples run forked (runc) from now on
+    report = score(sandboxes, "run", [orphans] * 4)
+    assert report.values == [1.0] * 4 and report.statuses == [Status.OK] * 4, report.errors
+
+
 def test_a_sample_cannot_fill_the_kernel_with_empty_files(sandboxes):
     # gVisor ignores a tmpfs's nr_inodes (the README says so): there the files only go with their sample
     limited = sandboxes.runtime == "runc"
