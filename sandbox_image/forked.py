@@ -42,6 +42,7 @@ from __future__ import annotations
 import mmap
 import os
 import select
+import signal
 import socket
 import struct
 import time
@@ -67,6 +68,7 @@ class Forker:
     runner: Optional[socket.socket]
     scratch: str
     reaper: bool = False
+    wake: tuple = ()
 
     def run(self, score: Callable[[], bytes], samples: int, timeout_s: float, max_log_bytes: int,
             request_fd: int, attach: Callable[[Optional[int]], None],
@@ -78,6 +80,9 @@ class Forker:
         if not self.reaper:
             processes.become_subreaper()  # what its children leave becomes its own child: see kill_descendants
             self.reaper = True
+            self.wake = os.pipe()  # a byte per SIGCHLD while a unit runs (see _run)
+            for fd in self.wake:
+                os.set_blocking(fd, False)
         limit = codec.result_limit(samples, max_log_bytes)
         # Shared with the child, which writes its answer there: the answer never passes through this process's heap,
         # where the next child (a copy of this process) could find it.
@@ -106,7 +111,8 @@ class Forker:
             try:
                 processes.set_name("rbx-sample")
                 os.close(read_end)
-                for fd in (request_fd, *self.close, *(() if runner_end is None else (runner_end.fileno(),))):
+                for fd in (request_fd, *self.close, *self.wake,
+                           *(() if runner_end is None else (runner_end.fileno(),))):
                     os.close(fd)
                 attach(child_end)
                 data = score()
@@ -136,10 +142,17 @@ class Forker:
                 if child == pid:
                     reaped[pid] = wait_status
 
+        # While the unit runs, each SIGCHLD wakes _wait, which reaps at once, as the template does for its slot
+        # processes (a fork storm's zombies would otherwise fill the uid's process limit between two reaps). Set
+        # after the fork, so the child keeps SIGCHLD's default action; what exited before is reaped on the next tick.
+        signal.set_wakeup_fd(self.wake[1])
+        signal.signal(signal.SIGCHLD, _ignore)
         try:
             failed, why = _wait(read_end, time.monotonic() + timeout_s + KILL_MARGIN_S, runner_end, hand_over_runner,
-                                reap)
+                                reap, self.wake[0])
         finally:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.set_wakeup_fd(-1)
             os.close(read_end)
             if runner_end is not None:
                 runner_end.close()
@@ -213,29 +226,40 @@ def hand_over(runner: socket.socket, end: socket.socket) -> bool:
     return True
 
 
-REAP_EVERY_S = 0.02  # while a unit runs longer than this, what exited of its processes is reaped this often
+REAP_EVERY_S = 0.02  # and what exited of a unit's processes is reaped at least this often while it runs
+
+
+def _ignore(signum, frame) -> None:
+    """SIGCHLD's handler while a unit runs: the wake-up byte is what counts."""
 
 
 def _wait(done: int, deadline: float, runner_end: Optional[socket.socket], hand_over_runner: Callable[[], None],
-          reap: Callable[[], None]) -> tuple[Status, str]:
+          reap: Callable[[], None], woken: int) -> tuple[Status, str]:
     """Waits for the child's DONE byte on ``done``: (ok when it came, timeout when the deadline passed first, crash
     when the pipe closed without it, invalid when something else came; and what to add). Meanwhile, the first time
     the child writes to (or closes) its runner socket, ``hand_over_runner()`` passes the other end, ``runner_end``,
-    to the runner, and every REAP_EVERY_S ``reap()`` runs."""
+    to the runner, and ``reap()`` runs whenever ``woken`` (a SIGCHLD wake-up pipe) is readable, and at least every
+    REAP_EVERY_S."""
     poller = select.poll()
     poller.register(done, select.POLLIN)
+    poller.register(woken, select.POLLIN)
     if runner_end is not None:
         poller.register(runner_end, select.POLLIN)
     while True:
         left = deadline - time.monotonic()
         events = poller.poll(min(left, REAP_EVERY_S) * 1000) if left > 0 else []
-        if not events and left > REAP_EVERY_S:
+        if any(fd == done for fd, _ in events):
+            break
+        if any(fd == woken for fd, _ in events) or (not events and left > REAP_EVERY_S):
+            try:
+                while os.read(woken, 4096):
+                    pass
+            except BlockingIOError:
+                pass
             reap()
             continue
         if not events:
             return Status.TIMEOUT, ""
-        if any(fd == done for fd, _ in events):
-            break
         poller.unregister(runner_end)  # the child wants the runner (or will never call it): it is the runner's now
         hand_over_runner()
     byte = os.read(done, 1)
