@@ -226,7 +226,7 @@ def hand_over(runner: socket.socket, end: socket.socket) -> bool:
     return True
 
 
-REAP_EVERY_S = 0.02  # and what exited of a unit's processes is reaped at least this often while it runs
+REAP_EVERY_S = 0.02  # while a unit runs, what exited of its processes is reaped at least this often (see _wait)
 
 
 def _ignore(signum, frame) -> None:

@@ -77,8 +77,6 @@ def _set_oom_score_adj(value: int) -> None:
 
 SAMPLE_NICE = 19
 HOME_VARIABLES = ("HOME", "TMPDIR", "PWD")
-
-
 SAMPLE_OPEN_FILES = 512  # a slot process's descriptors (its own included): see prepare
 
 
@@ -137,7 +135,6 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
         limit = SAMPLE_OPEN_FILES if hard == resource.RLIM_INFINITY else min(SAMPLE_OPEN_FILES, hard)
         resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
-    if slot.uid is not None:
         # Samples yield the CPU to the sandbox's own processes (nice only weighs tasks of the container's own
         # cgroup against each other: the container's share of the machine is unchanged). Whatever a sample leaves
         # spinning cannot slow down the template that cleans up after it, nor the server.
