@@ -8,7 +8,9 @@ and slots share its uid (no isolation, as documented).
 
 The server asks for a template with ``template`` (the function's config) and receives the template's end of a
 fresh socket pair. Each template gets slots (uid, scratch directory) from the sandbox's pool and returns them when
-it exits. The supervisor dies with the server (PR_SET_PDEATHSIG) and templates die with the supervisor.
+it exits. The supervisor dies with the server (PR_SET_PDEATHSIG) and templates die with the supervisor. Between
+messages it runs the memory guard (:mod:`.memory_guard`): near the sandbox's memory limit, the slot whose processes
+hold the most together is killed, not the largest process.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import stat
 from dataclasses import dataclass
 from typing import Optional
 
-from . import template
+from . import memory_guard, template
 from .channel import ChannelClosed, pair, recv, send
 from .records import WorkerConfig
 from .processes import exited_children, fork_child, set_name, sigchld_wakeup
@@ -103,6 +105,9 @@ class Supervisor:
         self.private_tmp = pool.private_tmp
         self.held: dict[int, list] = {}  # template pid -> its slots
         self.selector = selectors.DefaultSelector()
+        usage = memory_guard.find_usage() if pool.uids else None
+        self.guard = (memory_guard.Guard([(uid, run_uid) for uid, _, run_uid, _ in self.free], usage, pool.atomic_kill)
+                      if usage is not None else None)
 
     def run(self) -> None:
         set_name("rbx-supervisor")
@@ -111,7 +116,9 @@ class Supervisor:
         self.selector.register(wake_r, selectors.EVENT_READ, "wake")
         self.selector.register(self.server, selectors.EVENT_READ, "server")
         while True:
-            for key, _ in self.selector.select():
+            if self.guard is not None and not self.guard.timeout():
+                self.guard.check()
+            for key, _ in self.selector.select(self.guard.timeout() if self.guard is not None else None):
                 if key.data == "wake":
                     os.read(wake_r, 4096)
                     self._reap()
@@ -122,6 +129,8 @@ class Supervisor:
         for pid, _ in exited_children():
             # Returned slots go last: a template started again takes fresh ones first.
             self.free = self.free + self.held.pop(pid, [])
+            if self.guard is not None:
+                self.guard.reaped(pid)
 
     def _from_server(self) -> bool:
         try:

@@ -272,6 +272,70 @@ def test_a_sample_cannot_hold_memory_for_which_innocents_are_killed_in_its_socke
     assert all(v is not None and v <= 256 for v in report.values[:2]), (report.values[:2], report.errors[:2])
 
 
+HOLDS_60_MIB = "import time\nx = bytearray(60 << 20)\nfor i in range(0, len(x), 4096):\n    x[i] = 1\ntime.sleep(3)\nscore = 0.5"
+
+
+def _hog_beside_a_holder(sandboxes, hog: str):
+    """Scores ``hog`` and an innocent that holds 60 MiB at the same time; the innocent must score as alone."""
+    report = score(sandboxes, "run", [hog, HOLDS_60_MIB])
+    assert (report.values[1], report.statuses[1], report.errors[1]) == (0.5, Status.OK, None), \
+        (report.values, report.statuses, report.errors)
+    assert report.statuses[0] == Status.CRASH and report.values[0] == -5.0, (report.statuses, report.errors)
+    later = score(sandboxes, "run", [HOLDS_60_MIB] * 2)
+    assert later.values == [0.5] * 2 and later.statuses == [Status.OK] * 2, later.errors
+
+
+def test_a_sample_that_spreads_its_memory_over_its_forks_dies_near_the_limit_not_an_innocent(sandboxes):
+    # The kernel's OOM killer ranks processes one by one: 36 forks of 24 MiB each, every one smaller than the
+    # innocent's 60 MiB, got the innocent killed at the 1 GiB limit (runc; red team). Under gVisor (16 processes a
+    # sample) the whole sandbox went: UNAVAILABLE for both. The memory guard adds up what each sample's processes
+    # hold and kills the sample holding the most.
+    forks, size = (36, 24) if sandboxes.runtime == "runc" else (12, 80)
+    hog = textwrap.dedent(f"""
+        import os, time
+        for _ in range({forks}):
+            if os.fork() == 0:
+                x = bytearray({size} << 20)
+                for i in range(0, len(x), 4096):
+                    x[i] = 1
+                time.sleep(30)
+                os._exit(0)
+        time.sleep(4)
+        score = 9.0
+    """)
+    _hog_beside_a_holder(sandboxes, hog)
+
+
+def test_a_sample_that_fills_socket_buffers_from_many_forks_dies_near_the_limit_not_an_innocent(sandboxes):
+    # Socket buffers are in no process's resident set, and the descriptor limit is per process: 15 forks filling
+    # about 250 socket pairs each (about 55 MiB of kernel memory a fork) got the innocent killed (runc; red team).
+    hog = textwrap.dedent("""
+        import os, socket, time
+        def hoard():
+            keep = []
+            try:
+                while True:
+                    a, b = socket.socketpair()
+                    a.setblocking(False)
+                    keep.append((a, b))
+                    try:
+                        while True:
+                            a.send(bytes(65536))
+                    except BlockingIOError:
+                        pass
+            except OSError:
+                pass  # out of descriptors
+            time.sleep(30)
+        for _ in range(15):
+            if os.fork() == 0:
+                hoard()
+                os._exit(0)
+        time.sleep(4)
+        score = 9.0
+    """)
+    _hog_beside_a_holder(sandboxes, hog)
+
+
 def test_what_a_samples_own_forks_orphan_is_reaped_while_it_runs(sandboxes):
     # Each grandchild outlives its parent and comes to the slot process (forked samples: their subreaper) or to the
     # template. A zombie still counts toward the uid's process limit (44 here): left unreaped until the sample ended,

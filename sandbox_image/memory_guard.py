@@ -1,0 +1,276 @@
+"""The memory guard: near the sandbox's memory limit, the sample whose processes hold the most *together* dies.
+
+The kernel's OOM killer ranks processes one by one. A sample that spreads its memory over its own forks (36 of 24
+MiB, within its process limit) or puts it where no process's resident set shows it (filled socket buffers) is
+smaller, process by process, than an innocent concurrent sample of 60 MiB: at the container's limit the innocent
+was killed and the hog scored (red team, runc). gVisor has no OOM killer inside the sandbox: the host's kills its
+kernel, and with it every sample of the container.
+
+So the supervisor (root, with KILL) watches how much of the limit is in use that the kernel cannot give back
+(:class:`Usage`): the memory cgroup's usage less its file cache (v1 or v2); under gVisor, which has no cgroup files,
+``/proc/meminfo`` (whose total is the container's limit) plus a socket buffer's worth for each socket of the
+sandbox (its kernel's socket buffers are in no figure there). Past the mark (:attr:`Usage.mark`: an eighth of the
+limit below it, a third under gVisor) it adds up, per slot (the slot's uid and the uid of the programs its reward
+code runs), what their processes hold (:func:`held`): resident anonymous and shared memory, page tables, and a
+socket buffer for each descriptor a process's table holds past the first 64 (a sample cannot enlarge the buffers:
+see seccomp.py). The slot that holds the most is stopped at once and killed whole (:func:`kill_group`: kill(-1)
+as its uid, as a slot is cleaned up before its next process takes it). The server sees the slot's process die and
+blames the unit it was scoring (``crash``); later samples run in fresh processes, and the sandbox's log says why.
+
+It polls: one read of one file (gVisor: a few) while there is room, more often the closer the mark is (the time
+memory takes to grow to it at GROWTH_BYTES_PER_S, within MIN_INTERVAL_S and MAX_INTERVAL_S), and reads ``/proc`` of
+every process only past the mark. What it does not bound: memory that grows faster than that (under runc the
+kernel's OOM killer is still behind it), and descriptors in flight (sent over a socket, then closed by the sender:
+in no process's table; at most about 512 per uid).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+from . import processes
+
+_MIB = 1 << 20
+MIN_MARGIN_BYTES = 32 * _MIB
+# The guard acts at limit - limit / fraction: an eighth below it with a memory cgroup, a third from /proc/meminfo
+# (gVisor: the host counts more than gVisor shows while memory churns, and gVisor gives a killed sample's memory
+# back over hundreds of milliseconds; at an eighth, and at a quarter, 12 forks of 80 MiB each still took a 1 GiB
+# sandbox down in some runs, measured: at a third, none in 8).
+CGROUP_MARGIN_FRACTION = 8
+MEMINFO_MARGIN_FRACTION = 3
+GROWTH_BYTES_PER_S = 8 << 30  # how fast the samples' memory may grow, for how long the guard may sleep
+MIN_INTERVAL_S = 0.002
+MAX_INTERVAL_S = 0.05
+# A descriptor past the first BASE_FDS of a process's table may be a socket whose queue holds this much kernel
+# memory: the default send buffer (net.core.wmem_default, 208 KiB) and the skb overhead (measured: a filled socket
+# pair held about 470 KB).
+BASE_FDS = 64
+SETTLE_S = 0.5
+SOCKET_BYTES = 240 << 10
+MEMINFO = "/proc/meminfo"
+SOCKET_TABLES = tuple(f"/proc/net/{name}" for name in ("unix", "tcp", "tcp6", "udp", "udp6"))
+UNLIMITED = 1 << 60  # a cgroup without a limit reports about 2**63
+# A real uid no sample process has, for the child that kills a slot's processes: a fresh slot process cleaning up
+# after its uid has real uid uid | processes.REAPER_UID_BIT, and the two must not be able to signal each other.
+GUARD_UID_BIT = 1 << 30
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Where a sandbox's memory use is read: ``usage`` (one number, read at every poll) and ``stat`` (the file
+    cache to subtract from it, read only near the limit), or ``/proc/meminfo`` alone."""
+
+    limit: int
+    usage_path: str = ""
+    stat_path: str = ""
+    cache_keys: tuple = ()
+    # /proc/meminfo alone (gVisor): socket buffers are its kernel's memory, in no figure of /proc/meminfo (250 filled
+    # socket pairs took 53 MB of the host's memory and nothing there). Each socket these files list counts as
+    # SOCKET_BYTES: a sandbox has a few dozen; a sample that fills thousands is seen.
+    socket_tables: tuple = ()
+
+    @property
+    def mark(self) -> int:
+        """The use past which the guard acts."""
+        fraction = CGROUP_MARGIN_FRACTION if self.usage_path else MEMINFO_MARGIN_FRACTION
+        return self.limit - max(MIN_MARGIN_BYTES, self.limit // fraction)
+
+    def pressure(self) -> int:
+        """Bytes in use that the kernel cannot reclaim without killing (an upper bound when cheap: the caller asks
+        :meth:`exact` before it acts)."""
+        if not self.usage_path:
+            return self.exact()
+        return _read_int(self.usage_path)
+
+    def exact(self) -> int:
+        if not self.usage_path:
+            info = _fields(MEMINFO)
+            used = (info["MemTotal"] - info.get("MemAvailable", info["MemTotal"])) * 1024
+            return used + SOCKET_BYTES * sum(_rows(path) for path in self.socket_tables)
+        usage = _read_int(self.usage_path)
+        stat = _fields(self.stat_path, separator=" ")
+        return usage - sum(stat.get(key, 0) for key in self.cache_keys)
+
+
+def _read_int(path: str) -> int:
+    with open(path, "rb") as f:
+        return int(f.read().split()[0])
+
+
+def _rows(path: str) -> int:
+    """Lines of a /proc/net table below its header (0 where it does not exist)."""
+    try:
+        with open(path, "rb") as f:
+            return max(0, f.read().count(b"\n") - 1)
+    except OSError:
+        return 0
+
+
+def _fields(path: str, separator: str = ":") -> dict:
+    with open(path, "rb") as f:
+        lines = f.read().decode().splitlines()
+    found = {}
+    for line in lines:
+        key, _, value = line.partition(separator)
+        parts = value.split()
+        if parts and parts[0].isdigit():
+            found[key.strip()] = int(parts[0])
+    return found
+
+
+def find_usage(root: str = "/sys/fs/cgroup") -> Optional[Usage]:
+    """The sandbox's memory use and limit: its memory cgroup (v1, then v2), else ``/proc/meminfo`` (gVisor, whose
+    total is the container's limit). None where no limit applies."""
+    v1 = os.path.join(root, "memory")
+    candidates = (
+        (os.path.join(v1, "memory.limit_in_bytes"), os.path.join(v1, "memory.usage_in_bytes"),
+         os.path.join(v1, "memory.stat"), ("total_active_file", "total_inactive_file")),
+        (os.path.join(root, "memory.max"), os.path.join(root, "memory.current"), os.path.join(root, "memory.stat"),
+         ("active_file", "inactive_file")),
+    )
+    for limit_path, usage_path, stat_path, keys in candidates:
+        try:
+            with open(limit_path, "rb") as f:
+                text = f.read().strip()
+            limit = UNLIMITED if text == b"max" else int(text)
+            _read_int(usage_path)
+            _fields(stat_path, separator=" ")
+        except (OSError, ValueError):
+            continue
+        return Usage(limit, usage_path, stat_path, keys) if limit < UNLIMITED else None
+    try:
+        return Usage(_fields(MEMINFO)["MemTotal"] * 1024, socket_tables=SOCKET_TABLES)
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def held(groups: dict, statuses: Iterable[tuple[int, bytes]]) -> dict:
+    """{slot: (bytes it holds, its pids)} (``groups`` maps each uid to its slot), from ``(pid, /proc/<pid>/status)``
+    of the sandbox's processes: resident anonymous and shared memory (gVisor: the resident set), page tables, and
+    SOCKET_BYTES for each descriptor past BASE_FDS in the process's table."""
+    totals: dict = {}
+    for pid, status in statuses:
+        fields = {}
+        for line in status.split(b"\n"):
+            key, _, value = line.partition(b":")
+            fields[key] = value.split()
+        if not fields.get(b"Uid"):
+            continue
+        group = groups.get(int(fields[b"Uid"][0]))
+        if group is None:
+            continue
+        kb = lambda key: int(fields[key][0]) if fields.get(key) else 0  # noqa: E731
+        memory = kb(b"RssAnon") + kb(b"RssShmem") if b"RssAnon" in fields else kb(b"VmRSS")
+        memory = (memory + kb(b"VmPTE")) * 1024 + max(0, kb(b"FDSize") - BASE_FDS) * SOCKET_BYTES
+        total, pids = totals.get(group, (0, []))
+        totals[group] = (total + memory, pids + [pid])
+    return totals
+
+
+def all_statuses() -> Iterable[tuple[int, bytes]]:
+    """(pid, /proc/<pid>/status) of every process of the sandbox (root reads them all: the files are world-readable)."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/status", "rb") as f:
+                    yield int(entry), f.read(8192)
+            except OSError:
+                continue
+
+
+def kill_group(uids: tuple, atomic: bool) -> int:
+    """Forks a child that kills every process of ``uids`` (see :func:`processes.kill_uid`). Returns its pid."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setgroups([])
+            for uid in uids:
+                os.setresuid(0, 0, 0)
+                os.setresuid(uid | GUARD_UID_BIT, uid, 0)
+                processes.kill_uid(uid, atomic=atomic)
+            code = 0
+        finally:
+            os._exit(code)
+    return pid
+
+
+def stop(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGSTOP)
+    except OSError:
+        pass
+
+
+class Guard:
+    """See the module docstring. ``slots``: (slot uid, run uid or None) of each slot of the sandbox. ``usage``,
+    ``statuses``, ``stop`` and ``kill``: where it reads and how it stops and kills (tests pass their own)."""
+
+    def __init__(self, slots: Iterable[tuple], usage: Usage, atomic_kill: bool,
+                 statuses: Callable[[], Iterable] = all_statuses, stop: Callable[[int], None] = stop,
+                 kill: Callable[[tuple, bool], int] = kill_group, clock: Callable[[], float] = time.monotonic):
+        self.groups = {}
+        self.members: dict = {}
+        for uid, run_uid in slots:
+            self.members[uid] = (uid,) if run_uid is None else (uid, run_uid)
+            for member in self.members[uid]:
+                self.groups[member] = uid
+        self.usage = usage
+        self.mark = usage.mark
+        self.atomic_kill = atomic_kill
+        self.statuses, self.stop, self.kill, self.clock = statuses, stop, kill, clock
+        self.killing: dict = {}  # pid of a killing child -> its slot
+        self.next_check = 0.0
+        # After a kill: until settle_until, only use above floor kills again (the killed processes' memory may take
+        # a while to come back: gVisor gives it back over hundreds of milliseconds, and killed an innocent next).
+        self.settle_until = 0.0
+        self.floor = 0
+
+    def timeout(self) -> float:
+        """Seconds until the next check is due (0: now)."""
+        return max(0.0, self.next_check - self.clock())
+
+    def check(self) -> Optional[int]:
+        """Reads the usage; past the mark, kills the slot that holds the most (unless one is being killed, or the
+        last one's memory may still be coming back). Returns the slot uid it started killing, or None."""
+        now = self.clock()
+        try:
+            pressure = self.usage.pressure()
+            if pressure >= self.mark:
+                pressure = self.usage.exact()
+        except (OSError, ValueError, KeyError):
+            self.next_check = now + MAX_INTERVAL_S
+            return None
+        room = self.mark - pressure
+        self.next_check = now + min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, room / GROWTH_BYTES_PER_S))
+        if room > 0 or self.killing or (now < self.settle_until and pressure < self.floor):
+            return None
+        totals = held(self.groups, self.statuses())
+        if not totals:
+            return None
+        slot, (most, pids) = max(totals.items(), key=lambda item: item[1][0])
+        for pid in pids:  # at once, before the fork of the killer: its memory stops growing now
+            self.stop(pid)
+        self.killing[self.kill(self.members[slot], self.atomic_kill)] = slot
+        sys.stderr.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} sandbox WARNING memory guard: {pressure / _MIB:.0f} "
+                         f"of the sandbox's {self.usage.limit / _MIB:.0f} MiB in use; killed the processes of slot "
+                         f"uid {slot}, which held {most / _MIB:.0f} MiB together, the most of any sample\n")
+        sys.stderr.flush()
+        return slot
+
+    def reaped(self, pid: int) -> None:
+        """A child of the supervisor exited: if it was killing a slot, checks resume at once, and for SETTLE_S only
+        use above what is in use now (plus half the margin) kills again."""
+        if self.killing.pop(pid, None) is None:
+            return
+        self.next_check = 0.0
+        self.settle_until = self.clock() + SETTLE_S
+        try:
+            self.floor = self.usage.exact() + (self.usage.limit - self.mark) // 2
+        except (OSError, ValueError, KeyError):
+            self.floor = self.usage.limit

@@ -1,0 +1,186 @@
+"""The memory guard's reading and deciding (``rewardbox.sandbox.memory_guard``), on files laid out as the kernel and
+gVisor lay them out. What it does to real samples near a real container's limit, under runc and gVisor:
+tests/docker/test_reuse.py (``..._dies_near_the_limit_not_an_innocent``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from rewardbox.sandbox import memory_guard
+from rewardbox.sandbox.memory_guard import Guard, Usage, find_usage, held
+
+MIB = 1 << 20
+SLOT, RUN, OTHER_SLOT, OTHER_RUN = 100001, 200001, 100002, 200002
+
+
+def status(uid: int, rss_anon_kb: int = 0, shmem_kb: int = 0, pte_kb: int = 0, fds: int = 64,
+           gvisor: bool = False) -> bytes:
+    """A /proc/<pid>/status as Linux writes it (gVisor: its resident set and descriptors only)."""
+    if gvisor:
+        return f"Name:\tpython3\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\nFDSize:\t{fds}\nVmRSS:\t{rss_anon_kb} kB\n".encode()
+    return (f"Name:\tpython3\nState:\tS (sleeping)\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\nFDSize:\t{fds}\n"
+            f"VmRSS:\t{rss_anon_kb + shmem_kb + 9000} kB\nRssAnon:\t{rss_anon_kb} kB\nRssFile:\t9000 kB\n"
+            f"RssShmem:\t{shmem_kb} kB\nVmPTE:\t{pte_kb} kB\n").encode()
+
+
+GROUPS = {SLOT: SLOT, RUN: SLOT, OTHER_SLOT: OTHER_SLOT, OTHER_RUN: OTHER_SLOT}
+
+
+def test_a_sample_split_over_many_small_processes_holds_more_than_one_larger_process():
+    statuses = [(10 + k, status(SLOT, rss_anon_kb=24 << 10)) for k in range(36)]
+    statuses.append((99, status(OTHER_SLOT, rss_anon_kb=60 << 10)))
+    totals = held(GROUPS, statuses)
+    assert totals[SLOT] == (36 * (24 << 20), list(range(10, 46)))
+    assert totals[OTHER_SLOT] == (60 << 20, [99])
+
+
+def test_what_a_slots_programs_hold_counts_for_the_slot_and_other_uids_for_nobody():
+    statuses = [(1, status(SLOT, rss_anon_kb=100 << 10)), (2, status(RUN, rss_anon_kb=100 << 10, pte_kb=1024)),
+                (3, status(0, rss_anon_kb=900 << 10)), (4, status(65534, rss_anon_kb=900 << 10)),
+                (5, b"Name:\tbroken\n")]
+    assert held(GROUPS, statuses) == {SLOT: ((200 << 20) + (1 << 20), [1, 2])}
+
+
+def test_shared_memory_and_descriptors_past_the_first_64_count_and_file_pages_do_not():
+    one = held(GROUPS, [(1, status(SLOT, rss_anon_kb=1024, shmem_kb=2048, fds=512))])[SLOT][0]
+    assert one == (3 << 20) + (512 - 64) * memory_guard.SOCKET_BYTES
+
+
+def test_gvisor_status_files_count_their_resident_set_and_descriptors():
+    assert held(GROUPS, [(1, status(SLOT, rss_anon_kb=1024, fds=100, gvisor=True))])[SLOT][0] == \
+        (1 << 20) + 36 * memory_guard.SOCKET_BYTES
+
+
+def _write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_cgroup_v1_usage_less_the_file_cache(tmp_path):
+    _write(tmp_path / "memory/memory.limit_in_bytes", f"{1 << 30}\n")
+    _write(tmp_path / "memory/memory.usage_in_bytes", f"{900 << 20}\n")
+    _write(tmp_path / "memory/memory.stat", f"cache 1\ntotal_active_file {100 << 20}\ntotal_inactive_file "
+                                            f"{50 << 20}\ntotal_shmem {300 << 20}\n")
+    usage = find_usage(str(tmp_path))
+    assert usage.limit == 1 << 30 and usage.mark == (1 << 30) - (128 << 20)
+    assert usage.pressure() == 900 << 20 and usage.exact() == 750 << 20
+
+
+def test_cgroup_v2_usage_less_the_file_cache(tmp_path):
+    _write(tmp_path / "memory.max", f"{2 << 30}\n")
+    _write(tmp_path / "memory.current", f"{1 << 30}\n")
+    _write(tmp_path / "memory.stat", f"anon 5\nactive_file {1 << 20}\ninactive_file {2 << 20}\n")
+    usage = find_usage(str(tmp_path))
+    assert usage.limit == 2 << 30 and usage.exact() == (1 << 30) - (3 << 20)
+
+
+@pytest.mark.parametrize("limit", ["max\n", f"{1 << 62}\n"])
+def test_no_guard_where_the_cgroup_sets_no_limit(tmp_path, limit):
+    _write(tmp_path / "memory.max", limit)
+    _write(tmp_path / "memory.current", "1\n")
+    _write(tmp_path / "memory.stat", "anon 1\n")
+    assert find_usage(str(tmp_path)) is None
+
+
+def test_without_cgroup_files_meminfo_and_the_sockets_count(tmp_path, monkeypatch):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:  1048576 kB\nMemFree:  500000 kB\nMemAvailable:  524288 kB\n")
+    unix = tmp_path / "unix"
+    unix.write_text("Num RefCount Protocol Flags Type St Inode Path\n" + "0000: 00000002 0 0 1 03 1\n" * 10)
+    usage = Usage(1 << 30, socket_tables=(str(unix), str(tmp_path / "absent")))
+    monkeypatch.setattr(memory_guard, "MEMINFO", str(meminfo))
+    assert usage.pressure() == usage.exact() == (512 << 20) + 10 * memory_guard.SOCKET_BYTES
+    assert usage.mark == (1 << 30) - (1 << 30) // 3
+
+
+@dataclass
+class FakeUsage:
+    limit: int = 1 << 30
+    now: int = 0
+    reads: list = field(default_factory=list)
+
+    @property
+    def mark(self) -> int:
+        return self.limit - (128 << 20)
+
+    def pressure(self) -> int:
+        self.reads.append("pressure")
+        return self.now + (64 << 20)  # the cheap figure: more than the exact one (file cache)
+
+    def exact(self) -> int:
+        self.reads.append("exact")
+        return self.now
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def _guard(usage, statuses):
+    stopped, killed, clock = [], [], Clock()
+
+    def kill(uids, atomic):
+        killed.append((uids, atomic))
+        return 7000 + len(killed)
+
+    guard = Guard([(SLOT, RUN), (OTHER_SLOT, OTHER_RUN)], usage, atomic_kill=True, statuses=lambda: statuses,
+                  stop=stopped.append, kill=kill, clock=clock)
+    return guard, stopped, killed, clock
+
+
+def test_below_the_mark_it_reads_one_figure_and_kills_nobody_and_sleeps_longer_the_more_room():
+    usage = FakeUsage(now=100 << 20)
+    guard, stopped, killed, clock = _guard(usage, [])
+    assert guard.check() is None and usage.reads == ["pressure"] and not killed
+    assert guard.timeout() == pytest.approx(memory_guard.MAX_INTERVAL_S)
+    usage.now = usage.mark - (50 << 20)  # the cheap figure passes the mark: the exact one says there is room
+    assert guard.check() is None and usage.reads[-2:] == ["pressure", "exact"]
+    assert memory_guard.MIN_INTERVAL_S <= guard.timeout() < memory_guard.MAX_INTERVAL_S
+
+
+def test_past_the_mark_the_slot_holding_most_together_is_stopped_then_killed_with_its_programs():
+    statuses = [(10 + k, status(SLOT, rss_anon_kb=24 << 10)) for k in range(36)]
+    statuses += [(90, status(OTHER_SLOT, rss_anon_kb=60 << 10)), (91, status(OTHER_RUN, rss_anon_kb=100 << 10))]
+    usage = FakeUsage(now=(1 << 30) - (100 << 20))
+    guard, stopped, killed, clock = _guard(usage, statuses)
+    assert guard.check() == SLOT
+    assert stopped == list(range(10, 46)) and killed == [((SLOT, RUN), True)]
+    assert guard.check() is None and len(killed) == 1  # while its killer runs, nobody else
+
+
+def test_after_a_kill_memory_coming_back_slowly_kills_nobody_else_but_new_growth_does():
+    statuses = [(1, status(SLOT, rss_anon_kb=800 << 10)), (2, status(OTHER_SLOT, rss_anon_kb=60 << 10))]
+    usage = FakeUsage(now=(1 << 30) - (100 << 20))
+    guard, stopped, killed, clock = _guard(usage, statuses)
+    assert guard.check() == SLOT
+    guard.reaped(4242)  # another child of the supervisor: nothing changes
+    assert guard.check() is None
+    guard.reaped(7001)  # the killer ended; the killed sample's memory is not back yet (gVisor)
+    statuses[:] = statuses[1:]
+    clock.t += 0.1
+    assert guard.check() is None and len(killed) == 1
+    usage.now += 100 << 20  # someone grows past what was in use when the killer ended, plus half the margin
+    assert guard.check() == OTHER_SLOT and len(killed) == 2
+    guard.reaped(7002)
+    clock.t += memory_guard.SETTLE_S + 0.01  # settled: still past the mark, so whoever holds most goes
+    statuses[:] = [(3, status(SLOT, rss_anon_kb=10 << 10))]
+    assert guard.check() == SLOT
+
+
+def test_a_usage_that_cannot_be_read_kills_nobody():
+    class Broken(FakeUsage):
+        def pressure(self):
+            raise OSError("gone")
+
+    guard, stopped, killed, clock = _guard(Broken(), [(1, status(SLOT, rss_anon_kb=1 << 20))])
+    assert guard.check() is None and not killed and guard.timeout() == pytest.approx(memory_guard.MAX_INTERVAL_S)
+
+
+def test_the_mark_is_never_closer_to_the_limit_than_32_mib():
+    assert Usage(128 * MIB, "x").mark == 96 * MIB
