@@ -161,6 +161,10 @@ class Forker:
             status = processes.kill_descendants(pid)
             status = reaped.get(pid, status)
             processes.empty(self.scratch)
+            if processes.unnamed_bytes(self.scratch):
+                # Held by something no kill reaches (gVisor: a Unix socket sent over itself): the slot's next
+                # process gets a fresh tmpfs (slot.prepare).
+                retire = "its /tmp still holds data no file name reaches"
         except OSError as e:
             retire = f"what a sample left could not be removed: {e}"
         if handed and not (handed[0] and run_requests.release(self.runner)):

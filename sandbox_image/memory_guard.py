@@ -51,6 +51,11 @@ MAX_INTERVAL_S = 0.05
 # pair held about 470 KB).
 BASE_FDS = 64
 SETTLE_S = 0.5
+# Past the mark, when at least limit / UNHELD_FRACTION of what is in use is held by no process nor any slot's files
+# (counted generously: shared pages once per process), killing samples would not help: the sandbox restarts.
+UNHELD_FRACTION = 4
+RESTART = -1
+RENEWED_S = 1.0
 SOCKET_BYTES = 240 << 10
 MEMINFO = "/proc/meminfo"
 SOCKET_TABLES = tuple(f"/proc/net/{name}" for name in ("unix", "tcp", "tcp6", "udp", "udp6"))
@@ -149,11 +154,13 @@ def find_usage(root: str = "/sys/fs/cgroup") -> Optional[Usage]:
         return None
 
 
-def held(groups: dict, statuses: Iterable[tuple[int, bytes]]) -> dict:
-    """{slot: (bytes it holds, its pids)} (``groups`` maps each uid to its slot), from ``(pid, /proc/<pid>/status)``
-    of the sandbox's processes: resident anonymous and shared memory (gVisor: the resident set), page tables, and
-    SOCKET_BYTES for each descriptor past BASE_FDS in the process's table."""
+def held(groups: dict, statuses: Iterable[tuple[int, bytes]]) -> tuple[dict, int]:
+    """({slot: (bytes it holds, its pids)}, bytes all processes hold), from ``(pid, /proc/<pid>/status)`` of the
+    sandbox's processes (``groups`` maps each slot's uids to the slot): resident anonymous and shared memory
+    (gVisor: the resident set), page tables, and SOCKET_BYTES for each descriptor past BASE_FDS in the process's
+    table. Pages a fork shares count in each process that maps them: more than the truth, never less."""
     totals: dict = {}
+    everyone = 0
     for pid, status in statuses:
         fields = {}
         for line in status.split(b"\n"):
@@ -161,15 +168,34 @@ def held(groups: dict, statuses: Iterable[tuple[int, bytes]]) -> dict:
             fields[key] = value.split()
         if not fields.get(b"Uid"):
             continue
-        group = groups.get(int(fields[b"Uid"][0]))
-        if group is None:
-            continue
         kb = lambda key: int(fields[key][0]) if fields.get(key) else 0  # noqa: E731
         memory = kb(b"RssAnon") + kb(b"RssShmem") if b"RssAnon" in fields else kb(b"VmRSS")
         memory = (memory + kb(b"VmPTE")) * 1024 + max(0, kb(b"FDSize") - BASE_FDS) * SOCKET_BYTES
-        total, pids = totals.get(group, (0, []))
-        totals[group] = (total + memory, pids + [pid])
-    return totals
+        everyone += memory
+        group = groups.get(int(fields[b"Uid"][0]))
+        if group is not None:
+            total, pids = totals.get(group, (0, []))
+            totals[group] = (total + memory, pids + [pid])
+    return totals, everyone
+
+
+def renewed_bytes(mountinfo: str = "/proc/self/mountinfo", prefix: str = "/tmp/slot-") -> int:
+    """Bytes of the slot tmpfs that were replaced by fresh ones (:func:`.private_tmp.renew`, gVisor) and stay mounted
+    beneath them, held by Unix sockets sent over themselves: each at most its size. From the mount table: every
+    mount on a slot's directory past the first is one."""
+    seen: set = set()
+    total = 0
+    with open(mountinfo, "rb") as f:
+        for line in f:
+            fields = line.split()
+            point = fields[4]
+            if not point.startswith(prefix.encode()):
+                continue
+            if point in seen:
+                options = fields[-1].split(b",")
+                total += next((int(o[5:]) for o in options if o.startswith(b"size=") and o[5:].isdigit()), 0)
+            seen.add(point)
+    return total
 
 
 def all_statuses() -> Iterable[tuple[int, bytes]]:
@@ -213,13 +239,20 @@ class Guard:
 
     def __init__(self, slots: Iterable[tuple], usage: Usage, atomic_kill: bool,
                  statuses: Callable[[], Iterable] = all_statuses, stop: Callable[[int], None] = stop,
-                 kill: Callable[[tuple, bool], int] = kill_group, clock: Callable[[], float] = time.monotonic):
+                 kill: Callable[[tuple, bool], int] = kill_group, clock: Callable[[], float] = time.monotonic,
+                 directory_bytes: Callable[[str], int] = processes.unnamed_bytes,
+                 renewed: Optional[Callable[[], int]] = None):
         self.groups = {}
         self.members: dict = {}
-        for uid, run_uid in slots:
+        self.directories: dict = {}  # slot -> the tmpfs directories of its uids
+        for uid, directory, run_uid, run_directory in slots:
             self.members[uid] = (uid,) if run_uid is None else (uid, run_uid)
+            self.directories[uid] = tuple(d for d in (directory, run_directory) if d)
             for member in self.members[uid]:
                 self.groups[member] = uid
+        self.directory_bytes = directory_bytes
+        self.renewed = renewed  # gVisor (chroot): bytes of replaced slot tmpfs (renewed_bytes), read every RENEWED_S
+        self.next_renewed = 0.0
         self.usage = usage
         self.mark = usage.mark
         self.atomic_kill = atomic_kill
@@ -237,7 +270,8 @@ class Guard:
 
     def check(self) -> Optional[int]:
         """Reads the usage; past the mark, kills the slot that holds the most (unless one is being killed, or the
-        last one's memory may still be coming back). Returns the slot uid it started killing, or None."""
+        last one's memory may still be coming back). Returns the slot uid it started killing, RESTART when most of
+        what is in use is held by nothing it could kill (the sandbox must start afresh), or None."""
         now = self.clock()
         try:
             pressure = self.usage.pressure()
@@ -248,20 +282,54 @@ class Guard:
             return None
         room = self.mark - pressure
         self.next_check = now + min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, room / GROWTH_BYTES_PER_S))
+        if self.renewed is not None and now >= self.next_renewed:
+            self.next_renewed = now + RENEWED_S
+            try:
+                leaked = self.renewed()
+            except (OSError, ValueError, IndexError):
+                leaked = 0
+            if leaked >= self.usage.limit // UNHELD_FRACTION:
+                self._log(f"slot tmpfs of up to {leaked / _MIB:.0f} MiB were replaced, their data held by Unix "
+                          f"sockets sent over themselves (gVisor never frees those): the sandbox stops, to be "
+                          f"started afresh")
+                return RESTART
         if room > 0 or self.killing or (now < self.settle_until and pressure < self.floor):
             return None
-        totals = held(self.groups, self.statuses())
+        totals, everyone = held(self.groups, self.statuses())
+        for slot, directories in self.directories.items():
+            files = sum(self._directory_bytes(d) for d in directories)  # a sample's files are its memory too
+            if files:
+                total, pids = totals.get(slot, (0, []))
+                totals[slot] = (total + files, pids)
+                everyone += files
+        if pressure - everyone >= self.usage.limit // UNHELD_FRACTION and now >= self.settle_until:
+            # Memory that no process holds, nor any slot's files: killing a sample would not free it (gVisor keeps
+            # Unix sockets sent over themselves and what rides in them). The supervisor ends, the server reports
+            # NOT_SERVING, and the host starts the sandbox afresh.
+            self._log(f"{pressure / _MIB:.0f} of the sandbox's {self.usage.limit / _MIB:.0f} MiB in use, "
+                      f"{(pressure - everyone) / _MIB:.0f} MiB of it held by no process nor any sample's files: "
+                      f"the sandbox stops, to be started afresh")
+            return RESTART
         if not totals:
             return None
         slot, (most, pids) = max(totals.items(), key=lambda item: item[1][0])
         for pid in pids:  # at once, before the fork of the killer: its memory stops growing now
             self.stop(pid)
         self.killing[self.kill(self.members[slot], self.atomic_kill)] = slot
-        sys.stderr.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} sandbox WARNING memory guard: {pressure / _MIB:.0f} "
-                         f"of the sandbox's {self.usage.limit / _MIB:.0f} MiB in use; killed the processes of slot "
-                         f"uid {slot}, which held {most / _MIB:.0f} MiB together, the most of any sample\n")
-        sys.stderr.flush()
+        self._log(f"{pressure / _MIB:.0f} of the sandbox's {self.usage.limit / _MIB:.0f} MiB in use; killed the "
+                  f"processes of slot uid {slot}, which held {most / _MIB:.0f} MiB together, the most of any sample")
         return slot
+
+    def _directory_bytes(self, directory: str) -> int:
+        try:
+            return self.directory_bytes(directory)
+        except OSError:
+            return 0
+
+    @staticmethod
+    def _log(message: str) -> None:
+        sys.stderr.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} sandbox WARNING memory guard: {message}\n")
+        sys.stderr.flush()
 
     def reaped(self, pid: int) -> None:
         """A child of the supervisor exited: if it was killing a slot, checks resume at once, and for SETTLE_S only

@@ -46,6 +46,7 @@ FIX = ("Under runc, an AppArmor profile that forbids mounts (Docker's default on
 
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWUSER = 0x10000000
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
 _MS_BIND = 4096
 _MS_REC = 16384
 _MS_PRIVATE = 1 << 18
@@ -158,6 +159,24 @@ def build_roots(directories: dict, hidden: tuple) -> None:
             _mount(point, root + point, _MS_BIND)
         _mount(directory, root + PATH, _MS_BIND)
     os.chmod(ROOTS, 0o711)  # nobody can list the roots; each is entered by its path, as root
+
+
+def renew(uid: int, directory: str, executable: bool) -> None:
+    """``chroot`` (gVisor), as root: a fresh tmpfs, as large as the one there, on ``directory`` and on the uid's
+    root's ``/tmp``, for a uid whose tmpfs still holds data once emptied (:func:`.processes.unnamed_bytes`): gVisor
+    frees no Unix socket sent over itself, nor an unlinked file riding in it, so every later sample of the slot
+    would find its ``/tmp`` full. The old tmpfs stays beneath, held by the leak alone (the memory guard restarts
+    the sandbox when memory no process holds grows too large). ``executable``: a programs' directory (compiled
+    programs run from it), else ``noexec``.
+
+    Raises:
+        OSError: the mount failed.
+    """
+    size = os.statvfs(directory).f_blocks * os.statvfs(directory).f_frsize
+    flags = _MS_NOSUID | _MS_NODEV | (0 if executable else _MS_NOEXEC)
+    options = f"size={size},mode=0700,uid={uid},gid={uid}".encode()
+    _check(_libc.mount(b"tmpfs", directory.encode(), b"tmpfs", flags, options), f"mount -t tmpfs {directory}")
+    _mount(directory, root_of(uid) + PATH, _MS_BIND)
 
 
 def become(mode: str, uid: int, directory: str) -> None:

@@ -147,6 +147,8 @@ class Monitor:
                         pass
         finally:
             self._as_root()
+        if self.slot.private_tmp == "chroot" and processes.unnamed_bytes(self.slot.directory):
+            private_tmp.renew(self.slot.uid, self.slot.directory, executable=True)  # see slot.prepare
 
     def _kill_tree(self) -> None:
         """Kills every process of the run uid (local backend: the last program's process group)."""

@@ -114,7 +114,9 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
             kill_uid(slot.uid, atomic=slot.atomic_kill)
             mark = remove_ipc(slot.uid, mark)
         empty(slot.directory)
-        os.seteuid(0)  # the capabilities return (the saved uid is 0) for the one last change
+        os.seteuid(0)  # the capabilities return (the saved uid is 0) for the last changes
+        if slot.private_tmp == "chroot" and processes.unnamed_bytes(slot.directory):
+            private_tmp.renew(slot.uid, slot.directory, executable=False)
         private_tmp.become(slot.private_tmp, slot.uid, slot.directory)  # no capability is left after this
         seccomp.install()  # no SysV IPC, message queues, ptrace, keyrings: for this process and all it starts
     else:

@@ -106,8 +106,12 @@ class Supervisor:
         self.held: dict[int, list] = {}  # template pid -> its slots
         self.selector = selectors.DefaultSelector()
         usage = memory_guard.find_usage() if pool.uids else None
-        self.guard = (memory_guard.Guard([(uid, run_uid) for uid, _, run_uid, _ in self.free], usage, pool.atomic_kill)
-                      if usage is not None else None)
+        # A slot's files count toward it where each slot has a tmpfs of its own (not a pod's one shared directory).
+        slots = self.free if not pool.root else [(uid, "", run_uid, "") for uid, _, run_uid, _ in self.free]
+        self.guard = memory_guard.Guard(
+            slots, usage, pool.atomic_kill,
+            renewed=memory_guard.renewed_bytes if pool.private_tmp == "chroot" and not pool.root else None,
+        ) if usage is not None else None
 
     def run(self) -> None:
         set_name("rbx-supervisor")
@@ -116,8 +120,8 @@ class Supervisor:
         self.selector.register(wake_r, selectors.EVENT_READ, "wake")
         self.selector.register(self.server, selectors.EVENT_READ, "server")
         while True:
-            if self.guard is not None and not self.guard.timeout():
-                self.guard.check()
+            if self.guard is not None and not self.guard.timeout() and self.guard.check() == memory_guard.RESTART:
+                return  # the server sees this process end: NOT_SERVING, and the host replaces the sandbox
             for key, _ in self.selector.select(self.guard.timeout() if self.guard is not None else None):
                 if key.data == "wake":
                     os.read(wake_r, 4096)

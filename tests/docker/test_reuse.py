@@ -462,6 +462,30 @@ def test_what_a_sample_leaves_in_flight_at_the_program_runner_is_gone_before_the
     assert report.values[:2] == [1.0] * 2, report.errors[:2]
 
 
+CYCLE = textwrap.dedent("""
+    import os, socket
+    fd = os.open("/tmp/held", os.O_RDWR | os.O_CREAT)
+    os.write(fd, b"x" * (48 << 20))
+    os.unlink("/tmp/held")
+    a, b = socket.socketpair()
+    socket.send_fds(a, [b"x"], [a.fileno(), b.fileno(), fd])  # each end in the other's queue: a cycle
+    score = 1.0
+""")
+
+
+def test_what_rides_in_a_socket_sent_over_itself_never_fills_a_later_samples_tmp(sandboxes):
+    # gVisor never frees Unix sockets sent over themselves, nor what rides in them (Linux collects such cycles once
+    # their processes are gone): the unlinked file kept the slot's /tmp full, and every later sample of that slot
+    # got ENOSPC. Now the slot's next process gets a fresh tmpfs, and once replaced ones could hold a quarter of the
+    # sandbox's memory, the sandbox starts afresh: 20 such samples hold 960 MiB of its 1 GiB.
+    writes = "open('/tmp/big', 'wb').write(b'y' * (48 << 20))\nscore = 0.5"
+    for _ in range(5):
+        score(sandboxes, "run", [CYCLE] * 4)
+        time.sleep(1.5)  # a restart, if one is due, begins before the next batch
+        report = score(sandboxes, "run", [writes] * 6)
+        assert report.values == [0.5] * 6 and report.statuses == [Status.OK] * 6, report.errors
+
+
 def test_a_sample_cannot_have_a_descriptor_signal_the_process_that_forked_it(sandboxes):
     # The red team's trap: the sample makes the runner block writing a reply it never reads, sets its socket to
     # signal its slot process (O_ASYNC, F_SETOWN), and leaves the socket in flight in the runner's receive queue;

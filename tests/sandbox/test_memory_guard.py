@@ -31,25 +31,28 @@ GROUPS = {SLOT: SLOT, RUN: SLOT, OTHER_SLOT: OTHER_SLOT, OTHER_RUN: OTHER_SLOT}
 def test_a_sample_split_over_many_small_processes_holds_more_than_one_larger_process():
     statuses = [(10 + k, status(SLOT, rss_anon_kb=24 << 10)) for k in range(36)]
     statuses.append((99, status(OTHER_SLOT, rss_anon_kb=60 << 10)))
-    totals = held(GROUPS, statuses)
+    totals, everyone = held(GROUPS, statuses)
     assert totals[SLOT] == (36 * (24 << 20), list(range(10, 46)))
     assert totals[OTHER_SLOT] == (60 << 20, [99])
+    assert everyone == (36 * 24 + 60) << 20
 
 
 def test_what_a_slots_programs_hold_counts_for_the_slot_and_other_uids_for_nobody():
     statuses = [(1, status(SLOT, rss_anon_kb=100 << 10)), (2, status(RUN, rss_anon_kb=100 << 10, pte_kb=1024)),
                 (3, status(0, rss_anon_kb=900 << 10)), (4, status(65534, rss_anon_kb=900 << 10)),
                 (5, b"Name:\tbroken\n")]
-    assert held(GROUPS, statuses) == {SLOT: ((200 << 20) + (1 << 20), [1, 2])}
+    totals, everyone = held(GROUPS, statuses)
+    assert totals == {SLOT: ((200 << 20) + (1 << 20), [1, 2])}
+    assert everyone == (2000 << 20) + (1 << 20)  # what trusted processes hold is held too
 
 
 def test_shared_memory_and_descriptors_past_the_first_64_count_and_file_pages_do_not():
-    one = held(GROUPS, [(1, status(SLOT, rss_anon_kb=1024, shmem_kb=2048, fds=512))])[SLOT][0]
+    one = held(GROUPS, [(1, status(SLOT, rss_anon_kb=1024, shmem_kb=2048, fds=512))])[0][SLOT][0]
     assert one == (3 << 20) + (512 - 64) * memory_guard.SOCKET_BYTES
 
 
 def test_gvisor_status_files_count_their_resident_set_and_descriptors():
-    assert held(GROUPS, [(1, status(SLOT, rss_anon_kb=1024, fds=100, gvisor=True))])[SLOT][0] == \
+    assert held(GROUPS, [(1, status(SLOT, rss_anon_kb=1024, fds=100, gvisor=True))])[0][SLOT][0] == \
         (1 << 20) + 36 * memory_guard.SOCKET_BYTES
 
 
@@ -122,15 +125,17 @@ class Clock:
         return self.t
 
 
-def _guard(usage, statuses):
+def _guard(usage, statuses, files=None):
     stopped, killed, clock = [], [], Clock()
+    files = files if files is not None else {}
 
     def kill(uids, atomic):
         killed.append((uids, atomic))
         return 7000 + len(killed)
 
-    guard = Guard([(SLOT, RUN), (OTHER_SLOT, OTHER_RUN)], usage, atomic_kill=True, statuses=lambda: statuses,
-                  stop=stopped.append, kill=kill, clock=clock)
+    guard = Guard([(SLOT, "/tmp/slot-a", RUN, "/tmp/run-a"), (OTHER_SLOT, "/tmp/slot-b", OTHER_RUN, "/tmp/run-b")],
+                  usage, atomic_kill=True, statuses=lambda: statuses, stop=stopped.append, kill=kill, clock=clock,
+                  directory_bytes=lambda d: files.get(d, 0))
     return guard, stopped, killed, clock
 
 
@@ -166,11 +171,11 @@ def test_after_a_kill_memory_coming_back_slowly_kills_nobody_else_but_new_growth
     clock.t += 0.1
     assert guard.check() is None and len(killed) == 1
     usage.now += 100 << 20  # someone grows past what was in use when the killer ended, plus half the margin
-    assert guard.check() == OTHER_SLOT and len(killed) == 2
+    assert guard.check() == OTHER_SLOT and len(killed) == 2  # killed, though most of the use is not held yet
     guard.reaped(7002)
-    clock.t += memory_guard.SETTLE_S + 0.01  # settled: still past the mark, so whoever holds most goes
+    clock.t += memory_guard.SETTLE_S + 0.01  # settled, still past the mark, and held by nobody: a fresh sandbox
     statuses[:] = [(3, status(SLOT, rss_anon_kb=10 << 10))]
-    assert guard.check() == SLOT
+    assert guard.check() == memory_guard.RESTART
 
 
 def test_a_usage_that_cannot_be_read_kills_nobody():
@@ -184,3 +189,51 @@ def test_a_usage_that_cannot_be_read_kills_nobody():
 
 def test_the_mark_is_never_closer_to_the_limit_than_32_mib():
     assert Usage(128 * MIB, "x").mark == 96 * MIB
+
+
+def test_a_samples_files_count_toward_it():
+    statuses = [(1, status(SLOT, rss_anon_kb=400 << 10)), (2, status(OTHER_SLOT, rss_anon_kb=450 << 10))]
+    usage = FakeUsage(now=(1 << 30) - (100 << 20))
+    guard, stopped, killed, clock = _guard(usage, statuses, files={"/tmp/run-a": 64 << 20})
+    assert guard.check() == SLOT and stopped == [1]
+
+
+def test_memory_no_process_nor_file_holds_restarts_the_sandbox_instead_of_killing_an_innocent():
+    # gVisor: Unix sockets sent over themselves, and unlinked files riding in them, outlive every process
+    statuses = [(1, status(0, rss_anon_kb=100 << 10)), (2, status(OTHER_SLOT, rss_anon_kb=60 << 10))]
+    usage = FakeUsage(now=(1 << 30) - (100 << 20))
+    guard, stopped, killed, clock = _guard(usage, statuses, files={"/tmp/slot-a": 30 << 20})
+    assert guard.check() == memory_guard.RESTART and not killed and not stopped
+    # the same use, most of it held: a sample is killed, not the sandbox
+    statuses.append((3, status(SLOT, rss_anon_kb=700 << 10)))
+    guard, stopped, killed, clock = _guard(usage, statuses)
+    assert guard.check() == SLOT
+
+
+MOUNTINFO = """\
+12 8 0:11 / /tmp/slot-100001 rw,noexec  - tmpfs none rw,size=64m,mode=0700
+13 8 0:12 / /tmp/slot-100002 rw,noexec  - tmpfs none rw,size=64m,mode=0700
+18 8 0:11 / /tmp/rewardbox-roots/100001/tmp rw,noexec  - tmpfs none rw,size=64m,mode=0700
+19 12 0:17 / /tmp/slot-100001 rw,noexec  - tmpfs none rw,size=67108864,mode=0700,uid=100001,gid=100001
+20 18 0:17 / /tmp/rewardbox-roots/100001/tmp rw,noexec  - tmpfs none rw,size=67108864,mode=0700,uid=100001
+21 19 0:18 / /tmp/slot-100001 rw,noexec  - tmpfs none rw,size=67108864,mode=0700,uid=100001,gid=100001
+"""
+
+
+def test_slot_tmpfs_replaced_by_fresh_ones_count_their_size(tmp_path):
+    (tmp_path / "mountinfo").write_text(MOUNTINFO)
+    assert memory_guard.renewed_bytes(str(tmp_path / "mountinfo")) == 2 * (64 << 20)
+
+
+def test_replaced_tmpfs_worth_a_quarter_of_the_memory_restart_the_sandbox_before_anyone_runs_short():
+    leaked = [0]
+    usage = FakeUsage(now=100 << 20)
+    guard, stopped, killed, clock = _guard(usage, [])
+    guard.renewed = lambda: leaked[0]
+    leaked[0] = 3 * (64 << 20)
+    assert guard.check() is None
+    leaked[0] = 4 * (64 << 20)
+    clock.t += 0.1
+    assert guard.check() is None  # read once a second
+    clock.t += memory_guard.RENEWED_S
+    assert guard.check() == memory_guard.RESTART and not killed
