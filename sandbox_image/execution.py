@@ -201,7 +201,7 @@ def run(code: Union[str, bytes], language: str = "python", stdin: Union[str, byt
 
     ``files``: more files for its scratch directory (relative path -> text or bytes). ``timeout_s``: wall time of
     the run (the build of a compiled language has ``compile_timeout_s`` of its own); its CPU time is limited to the
-    same. ``memory_mb``: memory it may write to. ``max_output_bytes``: of stdout and of stderr each.
+    same. ``memory_mb``: memory it may write to. ``max_output_bytes``: of stdout and of stderr each (at most 64 MiB).
 
     Raises:
         ValueError: an unknown language, a bad file name or limit, or a language the image lacks (naming the

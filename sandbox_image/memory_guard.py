@@ -1,27 +1,35 @@
 """The memory guard: near the sandbox's memory limit, the sample whose processes hold the most *together* dies.
 
 The kernel's OOM killer ranks processes one by one. A sample that spreads its memory over its own forks (36 of 24
-MiB, within its process limit) or puts it where no process's resident set shows it (filled socket buffers) is
-smaller, process by process, than an innocent concurrent sample of 60 MiB: at the container's limit the innocent
-was killed and the hog scored (red team, runc). gVisor has no OOM killer inside the sandbox: the host's kills its
-kernel, and with it every sample of the container.
+MiB, within its process limit) or puts it where no process's resident set shows it (filled socket buffers, a
+program's output the runner holds) is smaller, process by process, than an innocent concurrent sample of 60 MiB:
+at the container's limit the innocent was killed and the hog scored (red team, runc). gVisor has no OOM killer
+inside the sandbox: the host's kills its kernel, and with it every sample of the container.
 
 So the supervisor (root, with KILL) watches how much of the limit is in use that the kernel cannot give back
 (:class:`Usage`): the memory cgroup's usage less its file cache (v1 or v2); under gVisor, which has no cgroup files,
 ``/proc/meminfo`` (whose total is the container's limit) plus a socket buffer's worth for each socket of the
 sandbox (its kernel's socket buffers are in no figure there). Past the mark (:attr:`Usage.mark`: an eighth of the
-limit below it, a third under gVisor) it adds up, per slot (the slot's uid and the uid of the programs its reward
-code runs), what their processes hold (:func:`held`): resident anonymous and shared memory, page tables, and a
-socket buffer for each descriptor a process's table holds past the first 64 (a sample cannot enlarge the buffers:
-see seccomp.py). The slot that holds the most is stopped at once and killed whole (:func:`kill_group`: kill(-1)
-as its uid, as a slot is cleaned up before its next process takes it). The server sees the slot's process die and
-blames the unit it was scoring (``crash``); later samples run in fresh processes, and the sandbox's log says why.
+limit below it, a third under gVisor) it adds up, per slot, what its processes hold (:func:`held`): those of the
+slot's uid and of the uid of the programs its reward code runs, and the runner's monitor that serves them (root,
+known by its name, which no sample can set); resident anonymous and shared memory, page tables, a socket buffer for
+each descriptor a process's table can hold (a sample can enlarge neither socket nor pipe buffers: see seccomp.py),
+and the files in the slot's tmpfs. The slot that holds the most is stopped at once and killed whole
+(:func:`kill_group`: kill(-1) as its uid, as a slot is cleaned up before its next process takes it; its monitor
+directly). The server sees the slot's process die and blames the unit it was scoring (``crash``); later samples
+run in fresh processes, and the sandbox's log says why.
+
+When what no process nor file holds is what takes the use past the mark (sockets in flight, which gVisor lists but
+no process holds; what gVisor keeps in Unix sockets sent over themselves), killing a sample would free nothing and
+take an innocent: the supervisor ends instead, the server reports NOT_SERVING, and the host starts the sandbox
+afresh. The same happens once slot tmpfs that gVisor could not free (:func:`.private_tmp.renew`) hold a quarter
+of the limit.
 
 It polls: one read of one file (gVisor: a few) while there is room, more often the closer the mark is (the time
 memory takes to grow to it at GROWTH_BYTES_PER_S, within MIN_INTERVAL_S and MAX_INTERVAL_S), and reads ``/proc`` of
-every process only past the mark. What it does not bound: memory that grows faster than that (under runc the
-kernel's OOM killer is still behind it), and descriptors in flight (sent over a socket, then closed by the sender:
-in no process's table; at most about 512 per uid).
+every process only past the mark, and every CALIBRATE_S. What it does not bound: memory that grows faster than that
+(under runc the kernel's OOM killer is still behind it), and, under runc, descriptors in flight (sent over a socket,
+then closed by the sender: in no process's table; at most 512 per uid).
 """
 
 from __future__ import annotations
@@ -46,17 +54,20 @@ MEMINFO_MARGIN_FRACTION = 3
 GROWTH_BYTES_PER_S = 8 << 30  # how fast the samples' memory may grow, for how long the guard may sleep
 MIN_INTERVAL_S = 0.002
 MAX_INTERVAL_S = 0.05
-# A descriptor past the first BASE_FDS of a process's table may be a socket whose queue holds this much kernel
-# memory: the default send buffer (net.core.wmem_default, 208 KiB) and the skb overhead (measured: a filled socket
-# pair held about 470 KB).
-BASE_FDS = 64
-SETTLE_S = 0.5
-# Past the mark, when at least limit / UNHELD_FRACTION of what is in use is held by no process nor any slot's files
-# (counted generously: shared pages once per process), killing samples would not help: the sandbox restarts.
-UNHELD_FRACTION = 4
-RESTART = -1
-RENEWED_S = 1.0
+# Each descriptor a process's table can hold (FDSize: Linux's table size, at least 64; gVisor's count) may be a
+# socket whose queue holds SOCKET_BYTES of kernel memory: the default send buffer (net.core.wmem_default, 208 KiB)
+# and the skb overhead (measured: a filled socket pair held about 470 KB). Counting only descriptors past 64 let
+# 20 forks of 26 filled socket pairs each, then exec'd, hold 240 MiB that counted for nobody (red team).
 SOCKET_BYTES = 240 << 10
+SETTLE_S = 0.5  # after a kill, see Guard.reaped
+# Once replaced slot tmpfs hold limit / UNHELD_FRACTION (gVisor: private_tmp.leaked_bytes, read every RENEWED_S),
+# the sandbox restarts; so it does, past the mark, when what no process nor file holds is what takes the use past
+# it (Guard.check; counted against the figures' excess over the use in calm times, read every CALIBRATE_S).
+UNHELD_FRACTION = 4
+CALIBRATE_S = 5.0
+RENEWED_S = 1.0
+RESTART = -1  # what Guard.check returns when the sandbox must start afresh
+MONITOR_NAME = b"rbxm-"  # runner.MONITOR_NAME: a monitor of the program runner, and the run uid it serves
 MEMINFO = "/proc/meminfo"
 SOCKET_TABLES = tuple(f"/proc/net/{name}" for name in ("unix", "tcp", "tcp6", "udp", "udp6"))
 UNLIMITED = 1 << 60  # a cgroup without a limit reports about 2**63
@@ -155,10 +166,11 @@ def find_usage(root: str = "/sys/fs/cgroup") -> Optional[Usage]:
 
 
 def held(groups: dict, statuses: Iterable[tuple[int, bytes]]) -> tuple[dict, int]:
-    """({slot: (bytes it holds, its pids)}, bytes all processes hold), from ``(pid, /proc/<pid>/status)`` of the
+    """({slot: (bytes it holds, its pids, the pids of its program runner's monitors)}, bytes all processes hold), from ``(pid, /proc/<pid>/status)`` of the
     sandbox's processes (``groups`` maps each slot's uids to the slot): resident anonymous and shared memory
-    (gVisor: the resident set), page tables, and SOCKET_BYTES for each descriptor past BASE_FDS in the process's
-    table. Pages a fork shares count in each process that maps them: more than the truth, never less."""
+    (gVisor: the resident set), page tables, and SOCKET_BYTES for each descriptor its table can hold. Pages a fork
+    shares count in each process that maps them: more than the truth, never less. A program runner's monitor (root,
+    named MONITOR_NAME and the run uid it serves) counts for that slot: it holds its programs' output."""
     totals: dict = {}
     everyone = 0
     for pid, status in statuses:
@@ -170,32 +182,18 @@ def held(groups: dict, statuses: Iterable[tuple[int, bytes]]) -> tuple[dict, int
             continue
         kb = lambda key: int(fields[key][0]) if fields.get(key) else 0  # noqa: E731
         memory = kb(b"RssAnon") + kb(b"RssShmem") if b"RssAnon" in fields else kb(b"VmRSS")
-        memory = (memory + kb(b"VmPTE")) * 1024 + max(0, kb(b"FDSize") - BASE_FDS) * SOCKET_BYTES
+        memory = (memory + kb(b"VmPTE")) * 1024 + kb(b"FDSize") * SOCKET_BYTES
         everyone += memory
-        group = groups.get(int(fields[b"Uid"][0]))
+        uid = int(fields[b"Uid"][0])
+        name = fields.get(b"Name", [b""])[0]
+        monitor = uid == 0 and name.startswith(MONITOR_NAME)  # root's: no sample can name it
+        if monitor:
+            uid = int(name[len(MONITOR_NAME):]) if name[len(MONITOR_NAME):].isdigit() else 0
+        group = groups.get(uid)
         if group is not None:
-            total, pids = totals.get(group, (0, []))
-            totals[group] = (total + memory, pids + [pid])
+            total, pids, monitors = totals.get(group, (0, [], []))
+            totals[group] = (total + memory, pids + [pid] * (not monitor), monitors + [pid] * monitor)
     return totals, everyone
-
-
-def renewed_bytes(mountinfo: str = "/proc/self/mountinfo", prefix: str = "/tmp/slot-") -> int:
-    """Bytes of the slot tmpfs that were replaced by fresh ones (:func:`.private_tmp.renew`, gVisor) and stay mounted
-    beneath them, held by Unix sockets sent over themselves: each at most its size. From the mount table: every
-    mount on a slot's directory past the first is one."""
-    seen: set = set()
-    total = 0
-    with open(mountinfo, "rb") as f:
-        for line in f:
-            fields = line.split()
-            point = fields[4]
-            if not point.startswith(prefix.encode()):
-                continue
-            if point in seen:
-                options = fields[-1].split(b",")
-                total += next((int(o[5:]) for o in options if o.startswith(b"size=") and o[5:].isdigit()), 0)
-            seen.add(point)
-    return total
 
 
 def all_statuses() -> Iterable[tuple[int, bytes]]:
@@ -226,19 +224,20 @@ def kill_group(uids: tuple, atomic: bool) -> int:
     return pid
 
 
-def stop(pid: int) -> None:
+def stop(pid: int, sig: int = signal.SIGSTOP) -> None:
     try:
-        os.kill(pid, signal.SIGSTOP)
+        os.kill(pid, sig)
     except OSError:
         pass
 
 
 class Guard:
-    """See the module docstring. ``slots``: (slot uid, run uid or None) of each slot of the sandbox. ``usage``,
-    ``statuses``, ``stop`` and ``kill``: where it reads and how it stops and kills (tests pass their own)."""
+    """See the module docstring. ``slots``: (slot uid, its directory, run uid or None, its directory) of each slot
+    of the sandbox (a directory "" when it is not a tmpfs of its own). The other arguments are where it reads and
+    how it stops and kills (tests pass their own); ``renewed``: :func:`.private_tmp.leaked_bytes` under gVisor."""
 
     def __init__(self, slots: Iterable[tuple], usage: Usage, atomic_kill: bool,
-                 statuses: Callable[[], Iterable] = all_statuses, stop: Callable[[int], None] = stop,
+                 statuses: Callable[[], Iterable] = all_statuses, stop: Callable[..., None] = stop,
                  kill: Callable[[tuple, bool], int] = kill_group, clock: Callable[[], float] = time.monotonic,
                  directory_bytes: Callable[[str], int] = processes.unnamed_bytes,
                  renewed: Optional[Callable[[], int]] = None):
@@ -251,7 +250,7 @@ class Guard:
             for member in self.members[uid]:
                 self.groups[member] = uid
         self.directory_bytes = directory_bytes
-        self.renewed = renewed  # gVisor (chroot): bytes of replaced slot tmpfs (renewed_bytes), read every RENEWED_S
+        self.renewed = renewed  # gVisor (chroot): bytes held in replaced slot tmpfs, read every RENEWED_S
         self.next_renewed = 0.0
         self.usage = usage
         self.mark = usage.mark
@@ -263,6 +262,10 @@ class Guard:
         # a while to come back: gVisor gives it back over hundreds of milliseconds, and killed an innocent next).
         self.settle_until = 0.0
         self.floor = 0
+        self.last_killed: Optional[int] = None
+        self.offset = 0  # see _calibrate
+        self.next_calibration = 0.0
+        self.last_held = 0
 
     def timeout(self) -> float:
         """Seconds until the next check is due (0: now)."""
@@ -286,39 +289,66 @@ class Guard:
             self.next_renewed = now + RENEWED_S
             try:
                 leaked = self.renewed()
-            except (OSError, ValueError, IndexError):
+            except (OSError, ValueError):
                 leaked = 0
             if leaked >= self.usage.limit // UNHELD_FRACTION:
-                self._log(f"slot tmpfs of up to {leaked / _MIB:.0f} MiB were replaced, their data held by Unix "
-                          f"sockets sent over themselves (gVisor never frees those): the sandbox stops, to be "
-                          f"started afresh")
+                self._log(f"replaced slot tmpfs hold {leaked / _MIB:.0f} MiB that Unix sockets sent over themselves "
+                          f"keep (gVisor never frees those): the sandbox stops, to be started afresh")
                 return RESTART
+        if room > 0 and now >= self.next_calibration:
+            self._calibrate(now)
         if room > 0 or self.killing or (now < self.settle_until and pressure < self.floor):
             return None
         totals, everyone = held(self.groups, self.statuses())
         for slot, directories in self.directories.items():
             files = sum(self._directory_bytes(d) for d in directories)  # a sample's files are its memory too
             if files:
-                total, pids = totals.get(slot, (0, []))
-                totals[slot] = (total + files, pids)
+                total, pids, monitors = totals.get(slot, (0, [], []))
+                totals[slot] = (total + files, pids, monitors)
                 everyone += files
-        if pressure - everyone >= self.usage.limit // UNHELD_FRACTION and now >= self.settle_until:
-            # Memory that no process holds, nor any slot's files: killing a sample would not free it (gVisor keeps
-            # Unix sockets sent over themselves and what rides in them). The supervisor ends, the server reports
-            # NOT_SERVING, and the host starts the sandbox afresh.
+        if now < self.settle_until and totals.get(self.last_killed, (0,))[0] <= self.last_held:
+            # The slot just killed has a fresh process by now: what is counted for it, no more than its old one
+            # held, is that one's memory on its way back.
+            totals.pop(self.last_killed, None)
+        slot, (most, pids, monitors) = max(totals.items(), key=lambda item: item[1][0]) if totals \
+            else (None, (0, [], []))
+        unheld = pressure - everyone - self.offset
+        if now >= self.settle_until and unheld >= max(MIN_MARGIN_BYTES, pressure - self.mark):
+            # What no process holds, nor any slot's files, is what takes the use past the mark: killing a sample
+            # would free none of it (gVisor keeps Unix sockets sent over themselves and what rides in them, and
+            # counts sockets in flight), and would take an innocent (red team). The supervisor ends, the server
+            # reports NOT_SERVING, and the host starts the sandbox afresh.
             self._log(f"{pressure / _MIB:.0f} of the sandbox's {self.usage.limit / _MIB:.0f} MiB in use, "
-                      f"{(pressure - everyone) / _MIB:.0f} MiB of it held by no process nor any sample's files: "
-                      f"the sandbox stops, to be started afresh")
+                      f"{unheld / _MIB:.0f} MiB of it held by no process nor any sample's files: the sandbox "
+                      f"stops, to be started afresh")
             return RESTART
-        if not totals:
+        if slot is None:
             return None
-        slot, (most, pids) = max(totals.items(), key=lambda item: item[1][0])
         for pid in pids:  # at once, before the fork of the killer: its memory stops growing now
             self.stop(pid)
-        self.killing[self.kill(self.members[slot], self.atomic_kill)] = slot
+        for pid in monitors:  # root's, which the killer cannot reach: the runner starts the slot's next one
+            self.stop(pid, signal.SIGKILL)
+        self.last_killed, self.last_held = slot, most
+        try:
+            self.killing[self.kill(self.members[slot], self.atomic_kill)] = slot
+        except OSError as e:  # no fork now (its own memory, the container's pids): stopped, it is killed next check
+            self._log(f"could not fork to kill the processes of slot uid {slot}: {e}")
+            return None
         self._log(f"{pressure / _MIB:.0f} of the sandbox's {self.usage.limit / _MIB:.0f} MiB in use; killed the "
                   f"processes of slot uid {slot}, which held {most / _MIB:.0f} MiB together, the most of any sample")
         return slot
+
+    def _calibrate(self, now: float) -> None:
+        """How much more than the use its figures add up to in calm times (pages shared by forks count in each
+        process): the least of ``use - held`` seen, so that what no process holds is not hidden behind it."""
+        self.next_calibration = now + CALIBRATE_S
+        try:
+            use = self.usage.exact()
+            totals, everyone = held(self.groups, self.statuses())
+        except (OSError, ValueError, KeyError):
+            return
+        self.offset = min(self.offset, use - everyone - sum(self._directory_bytes(d) for ds in
+                                                            self.directories.values() for d in ds))
 
     def _directory_bytes(self, directory: str) -> int:
         try:

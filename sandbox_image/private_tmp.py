@@ -39,6 +39,7 @@ from typing import Optional
 MODES = ("userns", "chroot")
 PATH = "/tmp"
 ROOTS = "/tmp/rewardbox-roots"  # chroot: a tmpfs the docker backend mounts, root's (mode 0711)
+LEAKS = ROOTS + "/leaked"  # see renew: root's, mode 0700
 FIX = ("Under runc, an AppArmor profile that forbids mounts (Docker's default one) or a kernel without "
        "unprivileged user namespaces stops it: run sandboxes under gVisor (sandbox.docker.runtime: runsc), or "
        "give the containers an AppArmor profile that allows mounts. sandbox.docker.private_tmp: off silences "
@@ -158,6 +159,7 @@ def build_roots(directories: dict, hidden: tuple) -> None:
         for point in points:
             _mount(point, root + point, _MS_BIND)
         _mount(directory, root + PATH, _MS_BIND)
+    os.mkdir(LEAKS, 0o700)
     os.chmod(ROOTS, 0o711)  # nobody can list the roots; each is entered by its path, as root
 
 
@@ -172,11 +174,21 @@ def renew(uid: int, directory: str, executable: bool) -> None:
     Raises:
         OSError: the mount failed.
     """
-    size = os.statvfs(directory).f_blocks * os.statvfs(directory).f_frsize
+    info = os.statvfs(directory)
     flags = _MS_NOSUID | _MS_NODEV | (0 if executable else _MS_NOEXEC)
-    options = f"size={size},mode=0700,uid={uid},gid={uid}".encode()
+    options = f"size={info.f_blocks * info.f_frsize},mode=0700,uid={uid},gid={uid}".encode()
     _check(_libc.mount(b"tmpfs", directory.encode(), b"tmpfs", flags, options), f"mount -t tmpfs {directory}")
     _mount(directory, root_of(uid) + PATH, _MS_BIND)
+    # What the old one holds, for the memory guard (leaked_bytes): an empty file named by it (gVisor shows no mount
+    # source in its mount table, and the old tmpfs can no longer be reached by its path).
+    held = (info.f_blocks - info.f_bfree) * info.f_frsize
+    os.close(os.open(os.path.join(LEAKS, f"{held}-{uid}-{os.getpid()}-{len(os.listdir(LEAKS))}"),
+                     os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+
+
+def leaked_bytes() -> int:
+    """Bytes held in slot tmpfs that :func:`renew` replaced (as they were then; gVisor never frees them)."""
+    return sum(int(name.split("-", 1)[0]) for name in os.listdir(LEAKS))
 
 
 def become(mode: str, uid: int, directory: str) -> None:

@@ -26,6 +26,8 @@ CHANNEL = "channel"
 RELEASE = "release"
 RELEASE_TIMEOUT_S = 10.0  # the runner kills the programs a sample left and empties their directory first
 MAX_RUNS = 1000
+# Of stdout and of stderr each: the runner's monitor holds it (and the memory guard counts it toward the slot).
+MAX_OUTPUT_BYTES = 64 << 20
 MAX_FILES = 1000
 
 
@@ -208,7 +210,7 @@ def parse(message: dict) -> Request:
     return Request(language=language, code=_text(message.get("code"), "code"), files=checked, runs=tuple(parsed),
                    timeout_s=_number(message, "timeout_s", float, 0.001, 3600),
                    memory_mb=_number(message, "memory_mb", int, 16, 1 << 20),
-                   max_output_bytes=_number(message, "max_output_bytes", int, 1, 1 << 30),
+                   max_output_bytes=_number(message, "max_output_bytes", int, 1, MAX_OUTPUT_BYTES),
                    compile_timeout_s=_number(message, "compile_timeout_s", float, 0.001, 3600),
                    compare=compare, stop_on_failure=bool(message.get("stop_on_failure", False)))
 

@@ -58,6 +58,7 @@ OPEN_FILES = 256
 CLOSED = 3  # a monitor's exit code when its socket closed
 MEMORY_POLL_S = 0.02  # how often the memory of a program's processes is added up
 _MIB = 1 << 20
+MONITOR_NAME = "rbxm-"  # + the run uid: see _start_monitor
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
 
 
@@ -627,7 +628,9 @@ def _start_monitor(slot: RunSlot, sock: socket.socket, keep: tuple = ()) -> int:
             processes.die_with_parent(signal.SIGTERM)
             for fd in keep:
                 os.close(fd)
-            processes.set_name("rbx-monitor")
+            # The memory guard counts what a monitor holds (a program's output, up to max_output_bytes per stream
+            # and run) toward the slot it serves, by this name: only root's processes are taken at their name.
+            processes.set_name(MONITOR_NAME + str(slot.uid) if slot.uid is not None else "rbx-monitor")
             processes.become_subreaper()
             code = Monitor(slot, sock).loop()
         finally:

@@ -18,8 +18,9 @@ over a socket, in flight in the runner's), and would signal its slot process at 
 ``memfd_create``: a memory file is held by its descriptor, not by any process, so it counts toward no process's
 memory, and the OOM killer would take an innocent concurrent sample instead. For the same reason a socket's
 buffers stay at their default size: ``setsockopt`` SO_SNDBUF, SO_RCVBUF and their FORCE forms succeed and change
-nothing (the kernel may adjust what is asked anyway), so what a sample's sockets hold is bounded by its open files
-(:data:`.slot.SAMPLE_OPEN_FILES`). ``clone3`` answers ENOSYS (its flags
+nothing (the kernel may adjust what is asked anyway), and a pipe's too (``fcntl`` F_SETPIPE_SZ is refused; gVisor
+shows pipe buffers in no memory figure at all), so what a sample's sockets and pipes hold is bounded by its open
+files (:data:`.slot.SAMPLE_OPEN_FILES`), which the memory guard counts (:mod:`.memory_guard`). ``clone3`` answers ENOSYS (its flags
 are in memory a filter cannot read; the C library falls back to ``clone``). A system call of another architecture
 or ABI (x32) kills the process. Standard library only (ctypes for prctl).
 
@@ -50,9 +51,9 @@ _JEQ_K = 0x15
 _JSET_K = 0x45
 _ARG0_LOW = 16  # offsetof(struct seccomp_data, args[0]), little-endian: its low 32 bits
 _ARG1_LOW = 24  # args[1]'s
-# fcntl commands and ioctl requests that choose the process signalled for a descriptor (F_SETOWN, F_SETOWN_EX;
-# FIOSETOWN, SIOCSPGRP)
-_SIGNAL_OWNER = {"fcntl": (8, 15), "ioctl": (0x8901, 0x8902)}
+# fcntl commands and ioctl requests refused: those that choose the process signalled for a descriptor (F_SETOWN,
+# F_SETOWN_EX; FIOSETOWN, SIOCSPGRP), and F_SETPIPE_SZ (a pipe's buffer stays at 64 KiB)
+_REFUSED_COMMANDS = {"fcntl": (8, 15, 1031), "ioctl": (0x8901, 0x8902)}
 _ARG2_LOW = 32  # args[2]'s
 _SOL_SOCKET = 1
 _BUFFER_SIZES = (7, 8, 32, 33)  # SO_SNDBUF, SO_RCVBUF, SO_SNDBUFFORCE, SO_RCVBUFFORCE
@@ -124,7 +125,7 @@ def program(machine: str, network: bool = True) -> bytes:
         code.append((_JEQ_K, "eperm", None, number))
     for number in sorted(numbers[name] for name in _SELF_ONLY):
         code.append((_JEQ_K, "self", None, number))
-    for name in _SIGNAL_OWNER:
+    for name in _REFUSED_COMMANDS:
         code.append((_JEQ_K, name, None, numbers[name]))
     code.append((_JEQ_K, "setsockopt", None, numbers["setsockopt"]))
     code.append((_RET_K, None, None, _RET_ALLOW))
@@ -132,7 +133,7 @@ def program(machine: str, network: bool = True) -> bytes:
              (_JEQ_K, None, "allow", _SOL_SOCKET), (_LD_W_ABS, None, None, _ARG2_LOW)]  # the option
     code += [(_JEQ_K, "ignore", None, option) for option in _BUFFER_SIZES]
     code.append((_RET_K, None, None, _RET_ALLOW))
-    for name, commands in _SIGNAL_OWNER.items():
+    for name, commands in _REFUSED_COMMANDS.items():
         code += [(name, None, None, None), (_LD_W_ABS, None, None, _ARG1_LOW)]  # the command (a 32-bit int)
         code += [(_JEQ_K, "eperm", None, command) for command in commands]
         code.append((_RET_K, None, None, _RET_ALLOW))

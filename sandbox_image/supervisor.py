@@ -23,7 +23,7 @@ import stat
 from dataclasses import dataclass
 from typing import Optional
 
-from . import memory_guard, template
+from . import memory_guard, private_tmp, template
 from .channel import ChannelClosed, pair, recv, send
 from .records import WorkerConfig
 from .processes import exited_children, fork_child, set_name, sigchld_wakeup
@@ -110,7 +110,7 @@ class Supervisor:
         slots = self.free if not pool.root else [(uid, "", run_uid, "") for uid, _, run_uid, _ in self.free]
         self.guard = memory_guard.Guard(
             slots, usage, pool.atomic_kill,
-            renewed=memory_guard.renewed_bytes if pool.private_tmp == "chroot" and not pool.root else None,
+            renewed=private_tmp.leaked_bytes if pool.private_tmp == "chroot" else None,
         ) if usage is not None else None
 
     def run(self) -> None:

@@ -336,6 +336,29 @@ def test_a_sample_that_fills_socket_buffers_from_many_forks_dies_near_the_limit_
     _hog_beside_a_holder(sandboxes, hog)
 
 
+def test_a_sample_whose_programs_output_fills_the_runner_dies_near_the_limit_not_an_innocent(sandboxes):
+    # The program runner's monitor (root) holds each run's output until the sample's request is answered: a
+    # program writing hundreds of MiB held almost nothing itself, and the guard killed the innocent, the biggest
+    # slot it saw (red team). A monitor now counts for the slot it serves.
+    hog = textwrap.dedent("""
+        import time
+        from rewardbox.sandbox import run_tests
+        program = ("import os, sys, time\\n"
+                   "os.write(1, b'o' * (60 << 20)); os.write(2, b'e' * (60 << 20))\\n"
+                   "time.sleep(10 if sys.argv[1:] == ['hold'] else 0)\\n")
+        run_tests(program, [{"stdout": ""}] * 6 + [{"stdout": "", "args": ["hold"]}], timeout_s=10,
+                  max_output_bytes=64 << 20)
+        score = 9.0
+    """)
+    holder = "import time\nx = bytearray(60 << 20)\nfor i in range(0, len(x), 4096):\n    x[i] = 1\n" \
+             "time.sleep(4.5)\nscore = 0.5"
+    report = score(sandboxes, "run", [hog, holder])
+    assert (report.values[1], report.statuses[1], report.errors[1]) == (0.5, Status.OK, None), \
+        (report.values, report.statuses, report.errors)
+    assert report.statuses[0] in (Status.CRASH, Status.TIMEOUT, Status.ERROR) and report.values[0] == -5.0, \
+        (report.statuses, report.errors)
+
+
 def test_what_a_samples_own_forks_orphan_is_reaped_while_it_runs(sandboxes):
     # Each grandchild outlives its parent and comes to the slot process (forked samples: their subreaper) or to the
     # template. A zombie still counts toward the uid's process limit (44 here): left unreaped until the sample ended,

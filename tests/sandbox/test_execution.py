@@ -147,8 +147,8 @@ def test_the_programs_filter_refuses_socket_and_both_refuse_io_uring():
 
 def test_the_samples_filter_lets_no_descriptor_signal_another_process_nor_memory_grow_outside_processes():
     # In a fresh process (the filter stays with it): what a descriptor that outlives its sample could do to the
-    # slot process that forked it, and memory that no process holds (memory files, socket buffers grown), refused;
-    # the same calls' everyday uses kept.
+    # slot process that forked it, and memory that no process holds (memory files, socket and pipe buffers grown),
+    # refused; the same calls' everyday uses kept.
     code = textwrap.dedent("""
         import ctypes, errno, fcntl, os, platform, socket, struct, termios
         from rewardbox.sandbox import seccomp
@@ -161,6 +161,7 @@ def test_the_samples_filter_lets_no_descriptor_signal_another_process_nor_memory
                 raise OSError(ctypes.get_errno(), "syscall")
 
         a, b = socket.socketpair()
+        pipe_r, pipe_w = os.pipe()
         outcomes = []
         for name, call in [
                 ("F_SETOWN", lambda: fcntl.fcntl(a, fcntl.F_SETOWN, os.getppid())),
@@ -169,6 +170,8 @@ def test_the_samples_filter_lets_no_descriptor_signal_another_process_nor_memory
                 ("SIOCSPGRP", lambda: fcntl.ioctl(a, 0x8902, struct.pack("i", os.getppid()))),
                 ("memfd_create", lambda: os.memfd_create("x")),
                 ("io_uring_setup", lambda: _syscall(IO_URING_SETUP, 8, bytes(120))),
+                ("F_SETPIPE_SZ", lambda: fcntl.fcntl(pipe_w, 1031, 1 << 20)),
+                ("F_GETPIPE_SZ", lambda: fcntl.fcntl(pipe_w, 1032)),
                 ("F_SETFL O_ASYNC", lambda: fcntl.fcntl(a, fcntl.F_SETFL, fcntl.fcntl(a, fcntl.F_GETFL) | os.O_ASYNC)),
                 ("F_GETOWN", lambda: fcntl.fcntl(a, fcntl.F_GETOWN)),
                 ("FIONREAD", lambda: fcntl.ioctl(a, termios.FIONREAD, bytes(4))),
@@ -190,7 +193,7 @@ def test_the_samples_filter_lets_no_descriptor_signal_another_process_nor_memory
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
         "F_SETOWN: EPERM; F_SETOWN_EX: EPERM; FIOSETOWN: EPERM; SIOCSPGRP: EPERM; memfd_create: EPERM; "
-        "io_uring_setup: EPERM; F_SETFL O_ASYNC: ok; F_GETOWN: ok; FIONREAD: ok; F_SETFD: ok; SO_SNDBUF: ok; "
+        "io_uring_setup: EPERM; F_SETPIPE_SZ: EPERM; F_GETPIPE_SZ: ok; F_SETFL O_ASYNC: ok; F_GETOWN: ok; FIONREAD: ok; F_SETFD: ok; SO_SNDBUF: ok; "
         "SO_RCVBUF: ok; SO_PASSCRED: ok",
         "True True 1"]  # buffer sizes asked for are taken and change nothing: both ends keep the default
 
