@@ -65,6 +65,7 @@ SETTLE_S = 0.5  # after a kill, see Guard.reaped
 # it (Guard.check; counted against the figures' excess over the use in calm times, read every CALIBRATE_S).
 UNHELD_FRACTION = 4
 CALIBRATE_S = 5.0
+CALIBRATIONS = 6
 RENEWED_S = 1.0
 RESTART = -1  # what Guard.check returns when the sandbox must start afresh
 MONITOR_NAME = b"rbxm-"  # runner.MONITOR_NAME: a monitor of the program runner, and the run uid it serves
@@ -207,8 +208,9 @@ def all_statuses() -> Iterable[tuple[int, bytes]]:
                 continue
 
 
-def kill_group(uids: tuple, atomic: bool) -> int:
-    """Forks a child that kills every process of ``uids`` (see :func:`processes.kill_uid`). Returns its pid."""
+def kill_group(uids: tuple, atomic: bool, sig: int = signal.SIGKILL) -> int:
+    """Forks a child that kills every process of ``uids`` (see :func:`processes.kill_uid`), or sends them all ``sig``
+    (kill(-1) as each uid: Linux lets no fork pass it; gVisor, a few times over). Returns its pid."""
     pid = os.fork()
     if pid == 0:
         code = 1
@@ -217,7 +219,14 @@ def kill_group(uids: tuple, atomic: bool) -> int:
             for uid in uids:
                 os.setresuid(0, 0, 0)
                 os.setresuid(uid | GUARD_UID_BIT, uid, 0)
-                processes.kill_uid(uid, atomic=atomic)
+                if sig == signal.SIGKILL:
+                    processes.kill_uid(uid, atomic=atomic)
+                    continue
+                for _ in range(1 if atomic else processes.STABLE_SCANS):
+                    try:
+                        os.kill(-1, sig)
+                    except ProcessLookupError:
+                        pass
             code = 0
         finally:
             os._exit(code)
@@ -238,9 +247,10 @@ class Guard:
 
     def __init__(self, slots: Iterable[tuple], usage: Usage, atomic_kill: bool,
                  statuses: Callable[[], Iterable] = all_statuses, stop: Callable[..., None] = stop,
-                 kill: Callable[[tuple, bool], int] = kill_group, clock: Callable[[], float] = time.monotonic,
+                 kill: Callable[..., int] = kill_group, clock: Callable[[], float] = time.monotonic,
                  directory_bytes: Callable[[str], int] = processes.unnamed_bytes,
-                 renewed: Optional[Callable[[], int]] = None):
+                 renewed: Optional[Callable[[], int]] = None,
+                 wait: Callable[[int], object] = lambda pid: os.waitpid(pid, 0)):
         self.groups = {}
         self.members: dict = {}
         self.directories: dict = {}  # slot -> the tmpfs directories of its uids
@@ -255,7 +265,7 @@ class Guard:
         self.usage = usage
         self.mark = usage.mark
         self.atomic_kill = atomic_kill
-        self.statuses, self.stop, self.kill, self.clock = statuses, stop, kill, clock
+        self.statuses, self.stop, self.kill, self.clock, self.wait = statuses, stop, kill, clock, wait
         self.killing: dict = {}  # pid of a killing child -> its slot
         self.next_check = 0.0
         # After a kill: until settle_until, only use above floor kills again (the killed processes' memory may take
@@ -264,6 +274,7 @@ class Guard:
         self.floor = 0
         self.last_killed: Optional[int] = None
         self.offset = 0  # see _calibrate
+        self.readings: list = []
         self.next_calibration = 0.0
         self.last_held = 0
 
@@ -292,9 +303,8 @@ class Guard:
             except (OSError, ValueError):
                 leaked = 0
             if leaked >= self.usage.limit // UNHELD_FRACTION:
-                self._log(f"replaced slot tmpfs hold {leaked / _MIB:.0f} MiB that Unix sockets sent over themselves "
-                          f"keep (gVisor never frees those): the sandbox stops, to be started afresh")
-                return RESTART
+                return self._restart(f"replaced slot tmpfs hold {leaked / _MIB:.0f} MiB that Unix sockets sent over "
+                                     f"themselves keep (gVisor never frees those)", held(self.groups, self.statuses())[0])
         if room > 0 and now >= self.next_calibration:
             self._calibrate(now)
         if room > 0 or self.killing or (now < self.settle_until and pressure < self.floor):
@@ -316,12 +326,10 @@ class Guard:
         if now >= self.settle_until and unheld >= max(MIN_MARGIN_BYTES, pressure - self.mark):
             # What no process holds, nor any slot's files, is what takes the use past the mark: killing a sample
             # would free none of it (gVisor keeps Unix sockets sent over themselves and what rides in them, and
-            # counts sockets in flight), and would take an innocent (red team). The supervisor ends, the server
-            # reports NOT_SERVING, and the host starts the sandbox afresh.
-            self._log(f"{pressure / _MIB:.0f} of the sandbox's {self.usage.limit / _MIB:.0f} MiB in use, "
-                      f"{unheld / _MIB:.0f} MiB of it held by no process nor any sample's files: the sandbox "
-                      f"stops, to be started afresh")
-            return RESTART
+            # counts sockets in flight), and would take an innocent (red team).
+            return self._restart(f"{pressure / _MIB:.0f} of the sandbox's {self.usage.limit / _MIB:.0f} MiB in "
+                                 f"use, {unheld / _MIB:.0f} MiB of it held by no process nor any sample's files",
+                                 totals)
         if slot is None:
             return None
         for pid in pids:  # at once, before the fork of the killer: its memory stops growing now
@@ -338,17 +346,36 @@ class Guard:
                   f"processes of slot uid {slot}, which held {most / _MIB:.0f} MiB together, the most of any sample")
         return slot
 
+    def _restart(self, why: str, totals: dict) -> int:
+        """Stops every sample's processes and the monitors serving them (what kept running grew, unguarded, until
+        the host's OOM killer took the sandbox; red team), then returns RESTART: the supervisor ends, the server
+        answers the requests in flight UNAVAILABLE (the host scores them again elsewhere: killed, they would have
+        ended ``crash``), reports NOT_SERVING, and the host starts the sandbox afresh."""
+        self._log(f"{why}: the sandbox stops, to be started afresh")
+        for _, pids, monitors in totals.values():
+            for pid in pids + monitors:
+                self.stop(pid)
+        try:
+            self.wait(self.kill(tuple(uid for members in self.members.values() for uid in members), self.atomic_kill,
+                                signal.SIGSTOP))
+        except OSError:
+            pass
+        return RESTART
+
     def _calibrate(self, now: float) -> None:
-        """How much more than the use its figures add up to in calm times (pages shared by forks count in each
-        process): the least of ``use - held`` seen, so that what no process holds is not hidden behind it."""
+        """How much more than the use its figures add up to (pages shared by forks count in each process), so that
+        what no process holds is not hidden behind it: the least excess of the last CALIBRATIONS readings, taken
+        while the use is under the mark (a sample that inflates its own figures for one reading, descriptors it
+        holds but never fills, cannot make the guard take what it holds for memory no one holds: red team)."""
         self.next_calibration = now + CALIBRATE_S
         try:
             use = self.usage.exact()
             totals, everyone = held(self.groups, self.statuses())
         except (OSError, ValueError, KeyError):
             return
-        self.offset = min(self.offset, use - everyone - sum(self._directory_bytes(d) for ds in
-                                                            self.directories.values() for d in ds))
+        files = sum(self._directory_bytes(d) for ds in self.directories.values() for d in ds)
+        self.readings = (self.readings + [use - everyone - files])[-CALIBRATIONS:]
+        self.offset = min(0, max(self.readings))
 
     def _directory_bytes(self, directory: str) -> int:
         try:

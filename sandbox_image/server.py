@@ -124,6 +124,7 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
         self.health = health
         self.functions: dict[str, FunctionPool] = {}
         self._load_lock = asyncio.Lock()
+        self.gone = asyncio.Event()  # set with NOT_SERVING: requests in flight end UNAVAILABLE (see Score)
 
     async def _start(self, config: WorkerConfig, budget_s: float) -> FunctionPool:
         loop = asyncio.get_running_loop()
@@ -137,6 +138,7 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
     async def broken(self, why: str) -> None:
         """This sandbox cannot run its rewards any more: NOT_SERVING, so the host replaces it."""
         log.error("reporting NOT_SERVING: %s", why)
+        self.gone.set()
         if self.health is not None:
             for service in ("", SERVICE_NAME):
                 await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -210,8 +212,24 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
             else None,
         )
         state = trainer_state_from_wire(request.trainer_state) if request.has_trainer_state else None
+        # A sandbox that stops (its supervisor ended: the memory guard stopped every sample's processes, or it
+        # died) answers what is in flight UNAVAILABLE, which the host scores again elsewhere, rather than waiting
+        # for processes that will not run again, or reporting their end as the samples' own crash.
+        scoring = asyncio.ensure_future(fp.score(batch, request.timeout_s, state))
+        gone = asyncio.ensure_future(self.gone.wait())
         try:
-            result = await fp.score(batch, request.timeout_s, state)
+            await asyncio.wait({scoring, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the caller went away: as an awaited fp.score would be, it is cancelled
+            scoring.cancel()
+            raise
+        finally:
+            gone.cancel()
+        if not scoring.done():
+            scoring.cancel()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this sandbox stopped (its log says why); the host "
+                                                             "replaces it")
+        try:
+            result = scoring.result()
         except PoolUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         if request.sample_details:

@@ -27,6 +27,7 @@ def status(uid: int, rss_anon_kb: int = 0, shmem_kb: int = 0, pte_kb: int = 0, f
 
 
 GROUPS = {SLOT: SLOT, RUN: SLOT, OTHER_SLOT: OTHER_SLOT, OTHER_RUN: OTHER_SLOT}
+EVERY_UID = (SLOT, RUN, OTHER_SLOT, OTHER_RUN)  # a restart stops every sample's processes first
 
 
 FDS = 64 * memory_guard.SOCKET_BYTES  # what a process's smallest descriptor table may hold in socket buffers
@@ -136,21 +137,22 @@ class Clock:
         return self.t
 
 
-def _guard(usage, statuses, files=None, monitors_killed=None):
+def _guard(usage, statuses, files=None, monitors_killed=None, frozen=None):
     stopped, killed, clock = [], [], Clock()
+    frozen = frozen if frozen is not None else []
     monitors_killed = monitors_killed if monitors_killed is not None else []
 
     def stop(pid, sig=signal.SIGSTOP):
         (stopped if sig == signal.SIGSTOP else monitors_killed).append(pid)
     files = files if files is not None else {}
 
-    def kill(uids, atomic):
-        killed.append((uids, atomic))
+    def kill(uids, atomic, sig=signal.SIGKILL):
+        (killed if sig == signal.SIGKILL else frozen).append((uids, atomic))
         return 7000 + len(killed)
 
     guard = Guard([(SLOT, "/tmp/slot-a", RUN, "/tmp/run-a"), (OTHER_SLOT, "/tmp/slot-b", OTHER_RUN, "/tmp/run-b")],
                   usage, atomic_kill=True, statuses=lambda: statuses, stop=stop, kill=kill, clock=clock,
-                  directory_bytes=lambda d: files.get(d, 0))
+                  directory_bytes=lambda d: files.get(d, 0), wait=lambda pid: None)
     return guard, stopped, killed, clock
 
 
@@ -220,7 +222,7 @@ def test_memory_no_process_nor_file_holds_restarts_the_sandbox_instead_of_killin
     statuses = [(1, status(0, rss_anon_kb=100 << 10)), (2, status(OTHER_SLOT, rss_anon_kb=60 << 10))]
     usage = FakeUsage(now=(1 << 30) - (100 << 20))
     guard, stopped, killed, clock = _guard(usage, statuses, files={"/tmp/slot-a": 30 << 20})
-    assert guard.check() == memory_guard.RESTART and not killed and not stopped
+    assert guard.check() == memory_guard.RESTART and not killed
     # the same use, most of it held: a sample is killed, not the sandbox
     statuses.append((3, status(SLOT, rss_anon_kb=700 << 10)))
     guard, stopped, killed, clock = _guard(usage, statuses)
@@ -300,3 +302,31 @@ def test_what_the_figures_count_twice_in_calm_times_hides_no_phantom_memory_late
     statuses.append((2, status(OTHER_SLOT, rss_anon_kb=500 << 10)))
     usage.now = 950 << 20
     assert guard.check() == memory_guard.RESTART and not killed
+
+
+def test_a_restart_stops_every_samples_processes_and_monitors_first():
+    # what kept running after the supervisor ended grew unguarded until the host killed the sandbox (red team);
+    # stopped, not killed: the server answers their requests UNAVAILABLE, and the host scores them again elsewhere
+    monitor = status(0, rss_anon_kb=10 << 10).replace(b"Name:\tpython3", b"Name:\trbxm-200002")
+    statuses = [(1, status(0, rss_anon_kb=700 << 10)), (2, status(OTHER_SLOT, rss_anon_kb=60 << 10)), (3, monitor),
+                (4, status(SLOT, rss_anon_kb=5 << 10))]
+    frozen = []
+    guard, stopped, killed, clock = _guard(FakeUsage(now=1000 << 20), statuses, frozen=frozen)
+    assert guard.check() == memory_guard.RESTART
+    assert sorted(stopped) == [2, 3, 4] and frozen == [(EVERY_UID, True)] and not killed
+
+
+def test_a_sample_that_inflates_its_figures_for_a_calibration_cannot_hide_a_hog_behind_them():
+    # descriptors held but never filled count 240 KiB each: a sample that held them through one calibration made
+    # the guard take a hog's memory for memory no one holds, and restart instead of killing it (red team)
+    statuses = [(1, status(0, rss_anon_kb=300 << 10))]
+    usage = FakeUsage(now=200 << 20)
+    guard, stopped, killed, clock = _guard(usage, statuses)
+    assert guard.check() is None  # calm: the figures add up to about 115 MiB more than the use
+    statuses.append((2, status(OTHER_SLOT, rss_anon_kb=1, fds=4096)))  # 960 MiB counted, nothing held
+    clock.t += memory_guard.CALIBRATE_S
+    assert guard.check() is None
+    statuses[1] = (3, status(OTHER_SLOT, rss_anon_kb=700 << 10))  # the hog
+    usage.now = 950 << 20
+    clock.t += 1.0
+    assert guard.check() == OTHER_SLOT and killed == [((OTHER_SLOT, OTHER_RUN), True)]
