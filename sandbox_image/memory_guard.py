@@ -10,7 +10,7 @@ So the supervisor (root, with KILL) watches how much of the limit is in use that
 (:class:`Usage`): the memory cgroup's usage less its file cache (v1 or v2); under gVisor, which has no cgroup files,
 ``/proc/meminfo`` (whose total is the container's limit) plus a socket buffer's worth for each socket of the
 sandbox (its kernel's socket buffers are in no figure there). Past the mark (:attr:`Usage.mark`: an eighth of the
-limit below it, a third under gVisor) it adds up, per slot, what its processes hold (:func:`held`): those of the
+limit below it, a quarter under gVisor) it adds up, per slot, what its processes hold (:func:`held`): those of the
 slot's uid and of the uid of the programs its reward code runs, and the runner's monitor that serves them (root,
 known by its name, which no sample can set); resident anonymous and shared memory, page tables, a socket buffer for
 each descriptor a process's table can hold (a sample can enlarge neither socket nor pipe buffers: see seccomp.py),
@@ -25,9 +25,10 @@ take an innocent: the supervisor ends instead, the server reports NOT_SERVING, a
 afresh. The same happens once slot tmpfs that gVisor could not free (:func:`.private_tmp.renew`) hold a quarter
 of the limit.
 
-It polls: one read of one file (gVisor: a few) while there is room, more often the closer the mark is (the time
-memory takes to grow to it at GROWTH_BYTES_PER_S, within MIN_INTERVAL_S and MAX_INTERVAL_S), and reads ``/proc`` of
-every process only past the mark, and every CALIBRATE_S. What it does not bound: memory that grows faster than that
+It polls: one read of one file (gVisor: a few, kept open) while there is room, more often the closer the mark is
+(the time memory takes to grow to it at GROWTH_BYTES_PER_S, within MIN_INTERVAL_S and MAX_INTERVAL_S, a fifth of
+that under gVisor), and reads ``/proc`` of every process only past the mark, and every CALIBRATE_S. What it does
+not bound: memory that grows faster than that
 (under runc the kernel's OOM killer is still behind it), and, under runc, descriptors in flight (sent over a socket,
 then closed by the sender: in no process's table; at most 512 per uid).
 """
@@ -45,12 +46,13 @@ from . import processes
 
 _MIB = 1 << 20
 MIN_MARGIN_BYTES = 32 * _MIB
-# The guard acts at limit - limit / fraction: an eighth below it with a memory cgroup, a third from /proc/meminfo
+# The guard acts at limit - limit / fraction: an eighth below it with a memory cgroup, a quarter from /proc/meminfo
 # (gVisor: the host counts more than gVisor shows while memory churns, and gVisor gives a killed sample's memory
-# back over hundreds of milliseconds; at an eighth, and at a quarter, 12 forks of 80 MiB each still took a 1 GiB
-# sandbox down in some runs, measured: at a third, none in 8).
+# back over hundreds of milliseconds; polling every 50 ms, 12 forks of 80 MiB each took a 1 GiB sandbox down in some
+# runs even at a quarter; polling every 10 ms from descriptors kept open, none did in 5. A third killed two
+# innocents of 280 MiB each, within their budget, beside each other.)
 CGROUP_MARGIN_FRACTION = 8
-MEMINFO_MARGIN_FRACTION = 3
+MEMINFO_MARGIN_FRACTION = 4
 GROWTH_BYTES_PER_S = 8 << 30  # how fast the samples' memory may grow, for how long the guard may sleep
 MIN_INTERVAL_S = 0.002
 MAX_INTERVAL_S = 0.05
@@ -92,6 +94,11 @@ class Usage:
     socket_tables: tuple = ()
 
     @property
+    def longest_sleep(self) -> float:
+        """How long the guard may sleep with room to spare: gVisor's memory grows ahead of what it shows."""
+        return MAX_INTERVAL_S if self.usage_path else MAX_INTERVAL_S / 5
+
+    @property
     def mark(self) -> int:
         """The use past which the guard acts."""
         fraction = CGROUP_MARGIN_FRACTION if self.usage_path else MEMINFO_MARGIN_FRACTION
@@ -114,23 +121,34 @@ class Usage:
         return usage - sum(stat.get(key, 0) for key in self.cache_keys)
 
 
+_OPEN: dict = {}  # path -> descriptor, kept open: under gVisor, pread costs a tenth of open+read (0.3 ms a poll)
+
+
+def _read(path: str) -> bytes:
+    fd = _OPEN.get(path)
+    if fd is None:
+        fd = _OPEN[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    data, chunk = b"", b"x"
+    while chunk:
+        chunk = os.pread(fd, 1 << 20, len(data))
+        data += chunk
+    return data
+
+
 def _read_int(path: str) -> int:
-    with open(path, "rb") as f:
-        return int(f.read().split()[0])
+    return int(_read(path).split()[0])
 
 
 def _rows(path: str) -> int:
     """Lines of a /proc/net table below its header (0 where it does not exist)."""
     try:
-        with open(path, "rb") as f:
-            return max(0, f.read().count(b"\n") - 1)
+        return max(0, _read(path).count(b"\n") - 1)
     except OSError:
         return 0
 
 
 def _fields(path: str, separator: str = ":") -> dict:
-    with open(path, "rb") as f:
-        lines = f.read().decode().splitlines()
+    lines = _read(path).decode().splitlines()
     found = {}
     for line in lines:
         key, _, value = line.partition(separator)
@@ -295,7 +313,7 @@ class Guard:
             self.next_check = now + MAX_INTERVAL_S
             return None
         room = self.mark - pressure
-        self.next_check = now + min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, room / GROWTH_BYTES_PER_S))
+        self.next_check = now + min(self.usage.longest_sleep, max(MIN_INTERVAL_S, room / GROWTH_BYTES_PER_S))
         if self.renewed is not None and now >= self.next_renewed:
             self.next_renewed = now + RENEWED_S
             try:
