@@ -185,23 +185,20 @@ def find_usage(root: str = "/sys/fs/cgroup") -> Optional[Usage]:
 
 
 def held(groups: dict, statuses: Iterable[tuple[int, bytes]]) -> tuple[dict, int]:
-    """({slot: (bytes it holds, its pids, the pids of its program runner's monitors)}, bytes all processes hold), from ``(pid, /proc/<pid>/status)`` of the
-    sandbox's processes (``groups`` maps each slot's uids to the slot): resident anonymous and shared memory
-    (gVisor: the resident set), page tables, and SOCKET_BYTES for each descriptor its table can hold. Pages a fork
-    shares count in each process that maps them: more than the truth, never less. A program runner's monitor (root,
-    named MONITOR_NAME and the run uid it serves) counts for that slot: it holds its programs' output."""
+    """({slot: (bytes it holds, its pids, the pids of its program runner's monitors)}, bytes all processes hold),
+    from ``(pid, /proc/<pid>/status)`` of the sandbox's processes (``groups`` maps each slot's uids to the slot):
+    what each holds of its own (:func:`.processes.resident_kb`), page tables, and SOCKET_BYTES for each descriptor
+    its table can hold. Pages a fork shares count in each process that maps them: more than the truth, never less.
+    A program runner's monitor (root, named MONITOR_NAME and the run uid it serves) counts for that slot: it holds
+    its programs' output."""
     totals: dict = {}
     everyone = 0
     for pid, status in statuses:
-        fields = {}
-        for line in status.split(b"\n"):
-            key, _, value = line.partition(b":")
-            fields[key] = value.split()
+        fields = processes.status_fields(status)
         if not fields.get(b"Uid"):
             continue
-        kb = lambda key: int(fields[key][0]) if fields.get(key) else 0  # noqa: E731
-        memory = kb(b"RssAnon") + kb(b"RssShmem") if b"RssAnon" in fields else kb(b"VmRSS")
-        memory = (memory + kb(b"VmPTE")) * 1024 + kb(b"FDSize") * SOCKET_BYTES
+        memory = (processes.resident_kb(fields) + processes.status_kb(fields, b"VmPTE")) * 1024 \
+            + processes.status_kb(fields, b"FDSize") * SOCKET_BYTES
         everyone += memory
         uid = int(fields[b"Uid"][0])
         name = fields.get(b"Name", [b""])[0]
@@ -213,17 +210,6 @@ def held(groups: dict, statuses: Iterable[tuple[int, bytes]]) -> tuple[dict, int
             total, pids, monitors = totals.get(group, (0, [], []))
             totals[group] = (total + memory, pids + [pid] * (not monitor), monitors + [pid] * monitor)
     return totals, everyone
-
-
-def all_statuses() -> Iterable[tuple[int, bytes]]:
-    """(pid, /proc/<pid>/status) of every process of the sandbox (root reads them all: the files are world-readable)."""
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/status", "rb") as f:
-                    yield int(entry), f.read(8192)
-            except OSError:
-                continue
 
 
 def kill_group(uids: tuple, atomic: bool, sig: int = signal.SIGKILL) -> int:
@@ -264,7 +250,7 @@ class Guard:
     how it stops and kills (tests pass their own); ``renewed``: :func:`.private_tmp.leaked_bytes` under gVisor."""
 
     def __init__(self, slots: Iterable[tuple], usage: Usage, atomic_kill: bool,
-                 statuses: Callable[[], Iterable] = all_statuses, stop: Callable[..., None] = stop,
+                 statuses: Callable[[], Iterable] = processes.statuses, stop: Callable[..., None] = stop,
                  kill: Callable[..., int] = kill_group, clock: Callable[[], float] = time.monotonic,
                  directory_bytes: Callable[[str], int] = processes.unnamed_bytes,
                  renewed: Optional[Callable[[], int]] = None,
@@ -322,18 +308,12 @@ class Guard:
                 leaked = 0
             if leaked >= self.usage.limit // UNHELD_FRACTION:
                 return self._restart(f"replaced slot tmpfs hold {leaked / _MIB:.0f} MiB that Unix sockets sent over "
-                                     f"themselves keep (gVisor never frees those)", held(self.groups, self.statuses())[0])
+                                     f"themselves keep (gVisor never frees those)", self._held()[0])
         if room > 0 and now >= self.next_calibration:
             self._calibrate(now)
         if room > 0 or self.killing or (now < self.settle_until and pressure < self.floor):
             return None
-        totals, everyone = held(self.groups, self.statuses())
-        for slot, directories in self.directories.items():
-            files = sum(self._directory_bytes(d) for d in directories)  # a sample's files are its memory too
-            if files:
-                total, pids, monitors = totals.get(slot, (0, [], []))
-                totals[slot] = (total + files, pids, monitors)
-                everyone += files
+        totals, everyone = self._held()
         if now < self.settle_until and totals.get(self.last_killed, (0,))[0] <= self.last_held:
             # The slot just killed has a fresh process by now: what is counted for it, no more than its old one
             # held, is that one's memory on its way back.
@@ -387,13 +367,23 @@ class Guard:
         holds but never fills, cannot make the guard take what it holds for memory no one holds: red team)."""
         self.next_calibration = now + CALIBRATE_S
         try:
-            use = self.usage.exact()
-            totals, everyone = held(self.groups, self.statuses())
+            excess = self.usage.exact() - self._held()[1]
         except (OSError, ValueError, KeyError):
             return
-        files = sum(self._directory_bytes(d) for ds in self.directories.values() for d in ds)
-        self.readings = (self.readings + [use - everyone - files])[-CALIBRATIONS:]
+        self.readings = (self.readings + [excess])[-CALIBRATIONS:]
         self.offset = min(0, max(self.readings))
+
+    def _held(self) -> tuple[dict, int]:
+        """:func:`held` of the sandbox's processes, each slot's files counted for it (a sample's files are its memory
+        too) and in the total."""
+        totals, everyone = held(self.groups, self.statuses())
+        for slot, directories in self.directories.items():
+            files = sum(self._directory_bytes(d) for d in directories)
+            if files:
+                total, pids, monitors = totals.get(slot, (0, [], []))
+                totals[slot] = (total + files, pids, monitors)
+                everyone += files
+        return totals, everyone
 
     def _directory_bytes(self, directory: str) -> int:
         try:

@@ -38,10 +38,8 @@ def close_inherited(*keep: int) -> None:
             pass
 
 
-def statuses_of(uid: int) -> Iterator[tuple[int, bytes]]:
-    """(pid, /proc/<pid>/status as bytes) of each process whose real uid is ``uid`` (zombies included). Reads the
-    files as bytes and finds the uid without parsing the rest: it runs before every sample."""
-    wanted = str(uid).encode()
+def statuses() -> Iterator[tuple[int, bytes]]:
+    """(pid, /proc/<pid>/status as bytes) of every process this one can see (zombies included)."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -53,9 +51,40 @@ def statuses_of(uid: int) -> Iterator[tuple[int, bytes]]:
                 os.close(fd)
         except OSError:
             continue
+        yield int(entry), status
+
+
+def statuses_of(uid: int) -> Iterator[tuple[int, bytes]]:
+    """:func:`statuses` of each process whose real uid is ``uid``. Finds the uid without parsing the rest: it runs
+    before every sample."""
+    wanted = str(uid).encode()
+    for pid, status in statuses():
         at = status.find(b"\nUid:\t")
         if at >= 0 and status[at + 6:].split(b"\t", 1)[0] == wanted:
-            yield int(entry), status
+            yield pid, status
+
+
+def status_fields(status: bytes) -> dict:
+    """A /proc/<pid>/status as {field: its words}."""
+    fields = {}
+    for line in status.split(b"\n"):
+        key, _, value = line.partition(b":")
+        fields[key] = value.split()
+    return fields
+
+
+def status_kb(fields: dict, key: bytes) -> int:
+    """A field of :func:`status_fields` given in kB (0 where absent)."""
+    return int(fields[key][0]) if fields.get(key) else 0
+
+
+def resident_kb(fields: dict) -> int:
+    """What a process holds in memory of its own, from :func:`status_fields`: its anonymous and shared-memory
+    resident pages (pages shared after a fork count in each process), else its resident set where the kernel does
+    not tell those apart (gVisor)."""
+    if b"RssAnon" in fields:
+        return status_kb(fields, b"RssAnon") + status_kb(fields, b"RssShmem")
+    return status_kb(fields, b"VmRSS")
 
 
 _PR_SET_PDEATHSIG = 1

@@ -415,12 +415,8 @@ class Monitor:
         """Bytes of memory the run uid's processes hold together: their anonymous and shared-memory resident pages
         (pages shared after a fork count once per process), else their resident set where the kernel does not
         tell those apart (gVisor)."""
-        total = 0
-        for _, status in processes.statuses_of(self.slot.uid):
-            fields = dict(line.split(b":", 1) for line in status.split(b"\n") if b":" in line)
-            keys = (b"RssAnon", b"RssShmem") if b"RssAnon" in fields else (b"VmRSS",)
-            total += sum(int(fields[k].split()[0]) for k in keys if k in fields) * 1024
-        return total
+        return sum(processes.resident_kb(processes.status_fields(status))
+                   for _, status in processes.statuses_of(self.slot.uid)) * 1024
 
     def _env(self, language: languages.Language) -> dict:
         env = dict(BASE_ENV, HOME=self.slot.home, TMPDIR=self.slot.home, PWD=self.slot.home)
