@@ -20,9 +20,13 @@ memory, and the OOM killer would take an innocent concurrent sample instead. For
 buffers stay at their default size: ``setsockopt`` SO_SNDBUF, SO_RCVBUF and their FORCE forms succeed and change
 nothing (the kernel may adjust what is asked anyway), and a pipe's too (``fcntl`` F_SETPIPE_SZ is refused; gVisor
 shows pipe buffers in no memory figure at all), so what a sample's sockets and pipes hold is bounded by its open
-files (:data:`.slot.SAMPLE_OPEN_FILES`), which the memory guard counts (:mod:`.memory_guard`). ``clone3`` answers ENOSYS (its flags
-are in memory a filter cannot read; the C library falls back to ``clone``). A system call of another architecture
-or ABI (x32) kills the process. Standard library only (ctypes for prctl).
+files (:data:`.slot.SAMPLE_OPEN_FILES`), which the memory guard counts (:mod:`.memory_guard`). ``setsockopt``
+SO_LINGER succeeds and changes nothing as well: a TCP socket that lingers makes the ``close`` that drops its last
+reference wait (up to the hour it asks for) until its queued data is taken, and a sample can make that close
+somebody else's (its socket sent to the program runner, whose monitor closes what it finds in flight there); under
+gVisor such a close stalled the whole sandbox, ``docker exec`` included (red team). ``clone3`` answers ENOSYS
+(its flags are in memory a filter cannot read; the C library falls back to ``clone``). A system call of another
+architecture or ABI (x32) kills the process. Standard library only (ctypes for prctl).
 
 Programs that reward code runs (:mod:`.execution`) get a stricter filter on top: no ``socket()`` at all (socket
 pairs stay), so they have no network even inside a reward that has one, and no named or abstract Unix sockets to
@@ -56,7 +60,9 @@ _ARG1_LOW = 24  # args[1]'s
 _REFUSED_COMMANDS = {"fcntl": (8, 15, 1031), "ioctl": (0x8901, 0x8902)}
 _ARG2_LOW = 32  # args[2]'s
 _SOL_SOCKET = 1
-_BUFFER_SIZES = (7, 8, 32, 33)  # SO_SNDBUF, SO_RCVBUF, SO_SNDBUFFORCE, SO_RCVBUFFORCE
+# setsockopt options at SOL_SOCKET that succeed and change nothing: SO_SNDBUF, SO_RCVBUF, SO_SNDBUFFORCE,
+# SO_RCVBUFFORCE (memory in no process), SO_LINGER (a close that blocks whoever drops the last reference)
+_IGNORED_OPTIONS = (7, 8, 32, 33, 13)
 _JGE_K = 0x35
 _RET_K = 0x06
 
@@ -131,7 +137,7 @@ def program(machine: str, network: bool = True) -> bytes:
     code.append((_RET_K, None, None, _RET_ALLOW))
     code += [("setsockopt", None, None, None), (_LD_W_ABS, None, None, _ARG1_LOW),  # the level
              (_JEQ_K, None, "allow", _SOL_SOCKET), (_LD_W_ABS, None, None, _ARG2_LOW)]  # the option
-    code += [(_JEQ_K, "ignore", None, option) for option in _BUFFER_SIZES]
+    code += [(_JEQ_K, "ignore", None, option) for option in _IGNORED_OPTIONS]
     code.append((_RET_K, None, None, _RET_ALLOW))
     for name, commands in _REFUSED_COMMANDS.items():
         code += [(name, None, None, None), (_LD_W_ABS, None, None, _ARG1_LOW)]  # the command (a 32-bit int)

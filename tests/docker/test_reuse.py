@@ -535,6 +535,37 @@ def test_a_sample_cannot_have_a_descriptor_signal_the_process_that_forked_it(san
     _innocents_after(sandboxes, [], RUNS, 0.75, 8)
 
 
+def test_a_lingering_socket_left_at_the_program_runner_holds_up_no_later_sample(sandboxes):
+    # The sample fills a TCP connection nobody reads, asks it to linger for an hour on close, and leaves it in flight
+    # at the program runner, whose monitor closes what it finds there: that close waited for the hour. Under gVisor
+    # it stalled the whole sandbox (every sample of every batch UNAVAILABLE after 118 s, `docker exec` hung; red
+    # team). SO_LINGER now succeeds and changes nothing.
+    lingerer = textwrap.dedent("""
+        import socket, struct
+        from rewardbox.sandbox import execution, run
+        run("print(1)")  # the runner serves this process's socket from now on
+        server = socket.socket()
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        connection = socket.create_connection(server.getsockname())
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 3600))
+        connection.setblocking(False)
+        try:
+            while True:
+                connection.send(b"x" * 65536)
+        except BlockingIOError:
+            pass
+        socket.send_fds(execution._connect().sock, [b"x"], [connection.fileno(), server.fileno()])
+        score = struct.unpack("ii", connection.getsockopt(socket.SOL_SOCKET, socket.SO_LINGER, 8))[0]
+    """)
+    asked = []
+    for _ in range(3):  # the stall came in most batches, not all
+        report, elapsed = _innocents_after(sandboxes, [lingerer] * 2, RUNS, 0.75, 8)
+        assert elapsed < TIMEOUT_S + 5, elapsed
+        asked += report.values[:2]
+    assert asked == [0.0] * 6  # linger asked for, not taken
+
+
 def test_bytes_written_to_the_program_runner_while_a_program_runs_end_that_program(sandboxes):
     # A sample's process writes to its runner socket while its own program runs (rewardbox.sandbox.run never does):
     # the runner kills the program and serves that socket no more. Before, it stopped watching the socket, so the

@@ -161,6 +161,7 @@ def test_the_samples_filter_lets_no_descriptor_signal_another_process_nor_memory
                 raise OSError(ctypes.get_errno(), "syscall")
 
         a, b = socket.socketpair()
+        tcp = socket.socket()
         pipe_r, pipe_w = os.pipe()
         outcomes = []
         for name, call in [
@@ -178,6 +179,7 @@ def test_the_samples_filter_lets_no_descriptor_signal_another_process_nor_memory
                 ("F_SETFD", lambda: fcntl.fcntl(a, fcntl.F_SETFD, fcntl.FD_CLOEXEC)),
                 ("SO_SNDBUF", lambda: a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)),
                 ("SO_RCVBUF", lambda: a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)),
+                ("SO_LINGER", lambda: tcp.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 3600))),
                 ("SO_PASSCRED", lambda: a.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1))]:
             try:
                 call()
@@ -187,15 +189,16 @@ def test_the_samples_filter_lets_no_descriptor_signal_another_process_nor_memory
         print("; ".join(outcomes))
         print(a.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == b.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF),
               a.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == b.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
-              a.getsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED))
+              a.getsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED),
+              struct.unpack("ii", tcp.getsockopt(socket.SOL_SOCKET, socket.SO_LINGER, 8)))
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
         "F_SETOWN: EPERM; F_SETOWN_EX: EPERM; FIOSETOWN: EPERM; SIOCSPGRP: EPERM; memfd_create: EPERM; "
         "io_uring_setup: EPERM; F_SETPIPE_SZ: EPERM; F_GETPIPE_SZ: ok; F_SETFL O_ASYNC: ok; F_GETOWN: ok; FIONREAD: ok; F_SETFD: ok; SO_SNDBUF: ok; "
-        "SO_RCVBUF: ok; SO_PASSCRED: ok",
-        "True True 1"]  # buffer sizes asked for are taken and change nothing: both ends keep the default
+        "SO_RCVBUF: ok; SO_LINGER: ok; SO_PASSCRED: ok",
+        "True True 1 (0, 0)"]  # buffer sizes and linger asked for are taken and change nothing: defaults stay
 
 
 REWARD = """
