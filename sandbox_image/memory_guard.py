@@ -20,17 +20,20 @@ directly). The server sees the slot's process die and blames the unit it was sco
 run in fresh processes, and the sandbox's log says why.
 
 When what no process nor file holds is what takes the use past the mark (sockets in flight, which gVisor lists but
-no process holds; what gVisor keeps in Unix sockets sent over themselves), killing a sample would free nothing and
-take an innocent: the supervisor ends instead, the server reports NOT_SERVING, and the host starts the sandbox
-afresh. The same happens once slot tmpfs that gVisor could not free (:func:`.private_tmp.renew`) hold a quarter
-of the limit.
+no process holds; what gVisor keeps in Unix sockets sent over themselves; under cgroup v1, kernel memory grown past
+what the processes' figures account for: the dentries of missing paths a sample looked up by the million, which the
+kernel frees only at the limit, descriptors in flight), killing a sample would free nothing and take an innocent:
+the supervisor ends instead, the server reports NOT_SERVING, and the host starts the sandbox afresh. The same
+happens once slot tmpfs that gVisor could not free (:func:`.private_tmp.renew`) hold a quarter of the limit. Under
+cgroup v2 the kernel's reclaimable slab (those dentries) is no use at all.
 
 It polls: one read of one file (gVisor: a few, kept open) while there is room, more often the closer the mark is
 (the time memory takes to grow to it at GROWTH_BYTES_PER_S, within MIN_INTERVAL_S and MAX_INTERVAL_S, a fifth of
 that under gVisor), and reads ``/proc`` of every process only past the mark, and every CALIBRATE_S. What it does
-not bound: memory that grows faster than that
-(under runc the kernel's OOM killer is still behind it), and, under runc, descriptors in flight (sent over a socket,
-then closed by the sender: in no process's table; at most 512 per uid).
+not bound: memory that grows faster than that (under runc the kernel's OOM killer is still behind it); under cgroup
+v1, kernel memory of no process (dentries) up to what idle samples' descriptor tables could hold, which still
+counts as use near the mark; and, under runc with cgroup v2, descriptors in flight (sent over a socket, then closed
+by the sender: in no process's table; at most 512 per uid).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, NamedTuple, Optional
 
 from . import processes
 
@@ -88,6 +91,10 @@ class Usage:
     usage_path: str = ""
     stat_path: str = ""
     cache_keys: tuple = ()
+    # cgroup v1: the kernel memory in the usage (memory.kmem.usage_in_bytes), which v1 does not split: the dentries
+    # and inodes the kernel gives back under pressure are in it with socket buffers, pipes and page tables. (v2's
+    # memory.stat tells reclaimable slab apart: a cache key.)
+    kernel_path: str = ""
     # /proc/meminfo alone (gVisor): socket buffers are its kernel's memory, in no figure of /proc/meminfo (250 filled
     # socket pairs took 53 MB of the host's memory and nothing there). Each socket these files list counts as
     # SOCKET_BYTES: a sandbox has a few dozen; a sample that fills thousands is seen.
@@ -110,6 +117,10 @@ class Usage:
         if not self.usage_path:
             return self.exact()
         return _read_int(self.usage_path)
+
+    def kernel(self) -> int:
+        """The kernel memory in the use, where it shows apart (cgroup v1; 0 elsewhere): see :meth:`Guard._unheld`."""
+        return _read_int(self.kernel_path) if self.kernel_path else 0
 
     def exact(self) -> int:
         if not self.usage_path:
@@ -162,13 +173,17 @@ def find_usage(root: str = "/sys/fs/cgroup") -> Optional[Usage]:
     """The sandbox's memory use and limit: its memory cgroup (v1, then v2), else ``/proc/meminfo`` (gVisor, whose
     total is the container's limit). None where no limit applies."""
     v1 = os.path.join(root, "memory")
+    kmem = os.path.join(v1, "memory.kmem.usage_in_bytes")
     candidates = (
         (os.path.join(v1, "memory.limit_in_bytes"), os.path.join(v1, "memory.usage_in_bytes"),
-         os.path.join(v1, "memory.stat"), ("total_active_file", "total_inactive_file")),
+         os.path.join(v1, "memory.stat"), ("total_active_file", "total_inactive_file"),
+         kmem if os.path.exists(kmem) else ""),
+        # slab_reclaimable: dentries and inodes, which the kernel frees before it kills (a sample that looked up
+        # millions of missing paths filled most of the limit with them; red team)
         (os.path.join(root, "memory.max"), os.path.join(root, "memory.current"), os.path.join(root, "memory.stat"),
-         ("active_file", "inactive_file")),
+         ("active_file", "inactive_file", "slab_reclaimable"), ""),
     )
-    for limit_path, usage_path, stat_path, keys in candidates:
+    for limit_path, usage_path, stat_path, keys, kernel_path in candidates:
         try:
             with open(limit_path, "rb") as f:
                 text = f.read().strip()
@@ -177,29 +192,42 @@ def find_usage(root: str = "/sys/fs/cgroup") -> Optional[Usage]:
             _fields(stat_path, separator=" ")
         except (OSError, ValueError):
             continue
-        return Usage(limit, usage_path, stat_path, keys) if limit < UNLIMITED else None
+        return Usage(limit, usage_path, stat_path, keys, kernel_path) if limit < UNLIMITED else None
     try:
         return Usage(_fields(MEMINFO)["MemTotal"] * 1024, socket_tables=SOCKET_TABLES)
     except (OSError, KeyError, ValueError):
         return None
 
 
-def held(groups: dict, statuses: Iterable[tuple[int, bytes]]) -> tuple[dict, int]:
-    """({slot: (bytes it holds, its pids, the pids of its program runner's monitors)}, bytes all processes hold),
-    from ``(pid, /proc/<pid>/status)`` of the sandbox's processes (``groups`` maps each slot's uids to the slot):
-    what each holds of its own (:func:`.processes.resident_kb`), page tables, and SOCKET_BYTES for each descriptor
-    its table can hold. Pages a fork shares count in each process that maps them: more than the truth, never less.
-    A program runner's monitor (root, named MONITOR_NAME and the run uid it serves) counts for that slot: it holds
-    its programs' output."""
+class Held(NamedTuple):
+    """What the sandbox's processes hold, by their figures (:func:`held`)."""
+
+    totals: dict  # {slot: (bytes it holds, its pids, the pids of its program runner's monitors)}
+    everyone: int  # bytes all processes hold (and the slots' files, once Guard._held adds them)
+    own: int  # of everyone, their resident memory (and the files): what is not kernel memory
+    kernel: int  # of everyone, the kernel memory: page tables, and the descriptor allowance of samples' processes
+
+
+def held(groups: dict, statuses: Iterable[tuple[int, bytes]]) -> Held:
+    """:class:`Held` from ``(pid, /proc/<pid>/status)`` of the sandbox's processes (``groups`` maps each slot's uids
+    to the slot): what each holds of its own (:func:`.processes.resident_kb`), page tables, and SOCKET_BYTES for
+    each descriptor its table can hold. Pages a fork shares count in each process that maps them: more than the
+    truth, never less. A program runner's monitor (root, named MONITOR_NAME and the run uid it serves) counts for
+    that slot: it holds its programs' output. Trusted processes' descriptors count in ``everyone``, not in
+    ``kernel``: what their sockets hold is ours (a sample's answers are held by its own sending socket)."""
     totals: dict = {}
-    everyone = 0
+    everyone = own = kernel = 0
     for pid, status in statuses:
         fields = processes.status_fields(status)
         if not fields.get(b"Uid"):
             continue
-        memory = (processes.resident_kb(fields) + processes.status_kb(fields, b"VmPTE")) * 1024 \
-            + processes.status_kb(fields, b"FDSize") * SOCKET_BYTES
+        resident = processes.resident_kb(fields) * 1024
+        tables = processes.status_kb(fields, b"FDSize") * SOCKET_BYTES
+        page_tables = processes.status_kb(fields, b"VmPTE") * 1024
+        memory = resident + page_tables + tables
         everyone += memory
+        own += resident
+        kernel += page_tables
         uid = int(fields[b"Uid"][0])
         name = fields.get(b"Name", [b""])[0]
         monitor = uid == 0 and name.startswith(MONITOR_NAME)  # root's: no sample can name it
@@ -207,9 +235,10 @@ def held(groups: dict, statuses: Iterable[tuple[int, bytes]]) -> tuple[dict, int
             uid = int(name[len(MONITOR_NAME):]) if name[len(MONITOR_NAME):].isdigit() else 0
         group = groups.get(uid)
         if group is not None:
+            kernel += tables
             total, pids, monitors = totals.get(group, (0, [], []))
             totals[group] = (total + memory, pids + [pid] * (not monitor), monitors + [pid] * monitor)
-    return totals, everyone
+    return Held(totals, everyone, own, kernel)
 
 
 def kill_group(uids: tuple, atomic: bool, sig: int = signal.SIGKILL) -> int:
@@ -279,6 +308,7 @@ class Guard:
         self.last_killed: Optional[int] = None
         self.offset = 0  # see _calibrate
         self.readings: list = []
+        self.kernel_floor: Optional[int] = None  # see _calibrate
         self.next_calibration = 0.0
         self.last_held = 0
 
@@ -308,19 +338,20 @@ class Guard:
                 leaked = 0
             if leaked >= self.usage.limit // UNHELD_FRACTION:
                 return self._restart(f"replaced slot tmpfs hold {leaked / _MIB:.0f} MiB that Unix sockets sent over "
-                                     f"themselves keep (gVisor never frees those)", self._held()[0])
+                                     f"themselves keep (gVisor never frees those)", self._held().totals)
         if room > 0 and now >= self.next_calibration:
             self._calibrate(now)
         if room > 0 or self.killing or (now < self.settle_until and pressure < self.floor):
             return None
-        totals, everyone = self._held()
+        found = self._held()
+        totals = found.totals
         if now < self.settle_until and totals.get(self.last_killed, (0,))[0] <= self.last_held:
             # The slot just killed has a fresh process by now: what is counted for it, no more than its old one
             # held, is that one's memory on its way back.
             totals.pop(self.last_killed, None)
         slot, (most, pids, monitors) = max(totals.items(), key=lambda item: item[1][0]) if totals \
             else (None, (0, [], []))
-        unheld = pressure - everyone - self.offset
+        unheld = self._unheld(pressure, found)
         if now >= self.settle_until and unheld >= max(MIN_MARGIN_BYTES, pressure - self.mark):
             # What no process holds, nor any slot's files, is what takes the use past the mark: killing a sample
             # would free none of it (gVisor keeps Unix sockets sent over themselves and what rides in them, and
@@ -364,26 +395,54 @@ class Guard:
         """How much more than the use its figures add up to (pages shared by forks count in each process), so that
         what no process holds is not hidden behind it: the least excess of the last CALIBRATIONS readings, taken
         while the use is under the mark (a sample that inflates its own figures for one reading, descriptors it
-        holds but never fills, cannot make the guard take what it holds for memory no one holds: red team)."""
+        holds but never fills, cannot make the guard take what it holds for memory no one holds: red team).
+
+        Where kernel memory shows apart (cgroup v1: :meth:`Usage.kernel`), the readings weigh only the processes' own
+        memory, and the least kernel memory ever read is kept (``kernel_floor``; see :meth:`_unheld`). Calibrated in
+        with the rest, the dentries a sample left by looking up millions of missing paths (which the kernel frees
+        only at the limit, past which the guard never lets the use go) became the figures' usual excess, and the
+        guard killed innocents for them near the mark (red team, runc); now they make the sandbox start afresh, which
+        frees them."""
         self.next_calibration = now + CALIBRATE_S
         try:
-            excess = self.usage.exact() - self._held()[1]
+            found = self._held()
+            if self.usage.kernel_path:
+                kernel = self.usage.kernel()
+                excess = self.usage.exact() - kernel - found.own
+                self.kernel_floor = kernel if self.kernel_floor is None else min(self.kernel_floor, kernel)
+            else:
+                excess = self.usage.exact() - found.everyone
         except (OSError, ValueError, KeyError):
             return
         self.readings = (self.readings + [excess])[-CALIBRATIONS:]
         self.offset = min(0, max(self.readings))
 
-    def _held(self) -> tuple[dict, int]:
+    def _unheld(self, use: int, found: Held) -> int:
+        """Bytes of ``use`` that no process nor any slot's files hold, by their figures less what they usually count
+        twice (:meth:`_calibrate`). Where kernel memory shows apart (cgroup v1), the processes' own memory is weighed
+        against the rest of the use, and the kernel memory grown since the least ever read against what the
+        processes' figures account for of it (their page tables, and what the samples' descriptors may hold): what
+        is left of that growth is held by no process (the dentries of missing paths looked up, descriptors in
+        flight), which the kernel frees, if at all, only at the limit."""
+        if not self.usage.kernel_path:
+            return use - found.everyone - self.offset
+        kernel = self.usage.kernel()
+        floor = kernel if self.kernel_floor is None else self.kernel_floor
+        return max(0, use - kernel - found.own - self.offset) + max(0, kernel - floor - found.kernel)
+
+    def _held(self) -> Held:
         """:func:`held` of the sandbox's processes, each slot's files counted for it (a sample's files are its memory
-        too) and in the total."""
-        totals, everyone = held(self.groups, self.statuses())
+        too) and in the totals."""
+        found = held(self.groups, self.statuses())
+        totals, everyone, own = found.totals, found.everyone, found.own
         for slot, directories in self.directories.items():
             files = sum(self._directory_bytes(d) for d in directories)
             if files:
                 total, pids, monitors = totals.get(slot, (0, [], []))
                 totals[slot] = (total + files, pids, monitors)
                 everyone += files
-        return totals, everyone
+                own += files
+        return Held(totals, everyone, own, found.kernel)
 
     def _directory_bytes(self, directory: str) -> int:
         try:
