@@ -31,9 +31,10 @@ It polls: one read of one file (gVisor: a few, kept open) while there is room, m
 (the time memory takes to grow to it at GROWTH_BYTES_PER_S, within MIN_INTERVAL_S and MAX_INTERVAL_S, a fifth of
 that under gVisor), and reads ``/proc`` of every process only past the mark, and every CALIBRATE_S. What it does
 not bound: memory that grows faster than that (under runc the kernel's OOM killer is still behind it); under cgroup
-v1, kernel memory of no process (dentries) up to what idle samples' descriptor tables could hold, which still
-counts as use near the mark; and, under runc with cgroup v2, descriptors in flight (sent over a socket, then closed
-by the sender: in no process's table; at most 512 per uid).
+v1, kernel memory of no process (dentries) up to what the descriptor tables of samples' running processes could
+hold (a slot process's own does not count: see :func:`held`), which still counts as use near the mark; and, under
+runc with cgroup v2, descriptors in flight (sent over a socket, then closed by the sender: in no process's table;
+at most 512 per uid).
 """
 
 from __future__ import annotations
@@ -208,13 +209,20 @@ class Held(NamedTuple):
     kernel: int  # of everyone, the kernel memory: page tables, and the descriptor allowance of samples' processes
 
 
-def held(groups: dict, statuses: Iterable[tuple[int, bytes]]) -> Held:
+def held(groups: dict, statuses: Iterable[tuple[int, bytes]], templates: Iterable[int] = ()) -> Held:
     """:class:`Held` from ``(pid, /proc/<pid>/status)`` of the sandbox's processes (``groups`` maps each slot's uids
     to the slot): what each holds of its own (:func:`.processes.resident_kb`), page tables, and SOCKET_BYTES for
     each descriptor its table can hold. Pages a fork shares count in each process that maps them: more than the
     truth, never less. A program runner's monitor (root, named MONITOR_NAME and the run uid it serves) counts for
-    that slot: it holds its programs' output. Trusted processes' descriptors count in ``everyone``, not in
-    ``kernel``: what their sockets hold is ours (a sample's answers are held by its own sending socket)."""
+    that slot: it holds its programs' output.
+
+    ``kernel`` counts the descriptor allowance of samples' processes only, not of slot processes (children of one of
+    ``templates`` under their slot's uid): trusted processes' sockets hold what is ours (a sample's answers are held
+    by its own sending socket), and a slot process's table holds the slot's own descriptors, unless a sample that
+    tainted it opened more, in its last moments (it retires). Counted for every idle slot process, the allowance
+    (15 MiB each) excused 480 MiB of kernel memory no process held, and the guard killed innocents for it (red
+    team: dentries)."""
+    templates = frozenset(templates)
     totals: dict = {}
     everyone = own = kernel = 0
     for pid, status in statuses:
@@ -235,7 +243,8 @@ def held(groups: dict, statuses: Iterable[tuple[int, bytes]]) -> Held:
             uid = int(name[len(MONITOR_NAME):]) if name[len(MONITOR_NAME):].isdigit() else 0
         group = groups.get(uid)
         if group is not None:
-            kernel += tables
+            if uid != group or monitor or int(fields.get(b"PPid", [b"0"])[0]) not in templates:
+                kernel += tables
             total, pids, monitors = totals.get(group, (0, [], []))
             totals[group] = (total + memory, pids + [pid] * (not monitor), monitors + [pid] * monitor)
     return Held(totals, everyone, own, kernel)
@@ -283,7 +292,8 @@ class Guard:
                  kill: Callable[..., int] = kill_group, clock: Callable[[], float] = time.monotonic,
                  directory_bytes: Callable[[str], int] = processes.unnamed_bytes,
                  renewed: Optional[Callable[[], int]] = None,
-                 wait: Callable[[int], object] = lambda pid: os.waitpid(pid, 0)):
+                 wait: Callable[[int], object] = lambda pid: os.waitpid(pid, 0),
+                 templates: Callable[[], Iterable[int]] = tuple):
         self.groups = {}
         self.members: dict = {}
         self.directories: dict = {}  # slot -> the tmpfs directories of its uids
@@ -299,6 +309,7 @@ class Guard:
         self.mark = usage.mark
         self.atomic_kill = atomic_kill
         self.statuses, self.stop, self.kill, self.clock, self.wait = statuses, stop, kill, clock, wait
+        self.templates = templates  # the pids of the template processes (see held)
         self.killing: dict = {}  # pid of a killing child -> its slot
         self.next_check = 0.0
         # After a kill: until settle_until, only use above floor kills again (the killed processes' memory may take
@@ -433,7 +444,7 @@ class Guard:
     def _held(self) -> Held:
         """:func:`held` of the sandbox's processes, each slot's files counted for it (a sample's files are its memory
         too) and in the totals."""
-        found = held(self.groups, self.statuses())
+        found = held(self.groups, self.statuses(), self.templates())
         totals, everyone, own = found.totals, found.everyone, found.own
         for slot, directories in self.directories.items():
             files = sum(self._directory_bytes(d) for d in directories)

@@ -398,27 +398,31 @@ def test_a_sample_cannot_fill_the_kernel_with_empty_files(sandboxes):
 
 def test_dentries_a_sample_left_by_looking_up_missing_paths_get_no_innocent_killed(sandboxes):
     # Each lookup of a missing path on the image's file system leaves a dentry (with a long name, ~900 bytes of
-    # kernel memory), which the kernel frees only at the limit. Two samples left ~650 MiB of them in a 1 GiB sandbox
-    # (runc); the memory guard took them for the usual excess of its figures and killed a later 200 MiB innocent
-    # near the mark (red team). Under gVisor its own kernel keeps few.
+    # kernel memory), which the kernel frees only at the limit. A sample that left 420 MiB of them in a 1 GiB sandbox
+    # (runc, cgroup v1: it stops by the cgroup's own kernel memory figure) got later 200 MiB innocents killed near
+    # the mark, 3 of 4 a batch: the memory guard took the dentries for the usual excess of its figures, then for what
+    # idle slot processes' descriptors could hold (red teams). Under gVisor its own kernel keeps few.
     flooder = textwrap.dedent("""
         import os, time
-        looked, end, name = 0, time.monotonic() + 3.5, f"/usr/lib/{os.getpid()}" + "y" * 200
-        while looked < 350_000 and time.monotonic() < end:
-            for _ in range(1000):
+        kernel = "/sys/fs/cgroup/memory/memory.kmem.usage_in_bytes"
+        used = lambda: int(open(kernel).read()) if os.path.exists(kernel) else 0
+        start, end, looked = used(), time.monotonic() + 4, 0
+        name = f"/usr/lib/{os.getpid()}" + "y" * 200
+        while used() - start < (420 << 20) and time.monotonic() < end:
+            for _ in range(2000):
                 try:
                     os.stat(f"{name}{looked}")
                 except OSError:
                     pass
                 looked += 1
-        score = looked / 1e6
+        score = (used() - start) / (1 << 20)
     """)
-    floods = score(sandboxes, "run", [flooder] * 2)
+    floods = score(sandboxes, "run", [flooder])
     time.sleep(memory_guard.CALIBRATE_S + 1)  # the guard reads its figures in calm times: once with the dentries
-    toucher = "buffer = b'x' * (200 << 20)\nimport time\ntime.sleep(1)\nscore = 0.25"
-    for _ in range(2):
-        report = score(sandboxes, "run", [toucher] * 2)
-        assert report.values == [0.25] * 2 and report.statuses == [Status.OK] * 2, (report.errors, floods.values)
+    toucher = "buffer = b'x' * (200 << 20)\nimport time\ntime.sleep(0.6)\nscore = 0.25"
+    for _ in range(3):
+        report = score(sandboxes, "run", [toucher] * 4)
+        assert report.values == [0.25] * 4 and report.statuses == [Status.OK] * 4, (report.errors, floods.values)
 
 
 def test_a_reward_whose_samples_taint_runs_each_in_a_child_of_a_slot_process_that_stays(sandboxes):

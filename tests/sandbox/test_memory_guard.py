@@ -17,11 +17,11 @@ SLOT, RUN, OTHER_SLOT, OTHER_RUN = 100001, 200001, 100002, 200002
 
 
 def status(uid: int, rss_anon_kb: int = 0, shmem_kb: int = 0, pte_kb: int = 0, fds: int = 64,
-           gvisor: bool = False) -> bytes:
+           gvisor: bool = False, ppid: int = 1) -> bytes:
     """A /proc/<pid>/status as Linux writes it (gVisor: its resident set and descriptors only)."""
     if gvisor:
         return f"Name:\tpython3\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\nFDSize:\t{fds}\nVmRSS:\t{rss_anon_kb} kB\n".encode()
-    return (f"Name:\tpython3\nState:\tS (sleeping)\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\nFDSize:\t{fds}\n"
+    return (f"Name:\tpython3\nState:\tS (sleeping)\nPPid:\t{ppid}\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\nFDSize:\t{fds}\n"
             f"VmRSS:\t{rss_anon_kb + shmem_kb + 9000} kB\nRssAnon:\t{rss_anon_kb} kB\nRssFile:\t9000 kB\n"
             f"RssShmem:\t{shmem_kb} kB\nVmPTE:\t{pte_kb} kB\n").encode()
 
@@ -148,6 +148,9 @@ class Clock:
         return self.t
 
 
+TEMPLATE = 4000  # the pid of the template whose children the slot processes are
+
+
 def _guard(usage, statuses, files=None, monitors_killed=None, frozen=None):
     stopped, killed, clock = [], [], Clock()
     frozen = frozen if frozen is not None else []
@@ -163,7 +166,7 @@ def _guard(usage, statuses, files=None, monitors_killed=None, frozen=None):
 
     guard = Guard([(SLOT, "/tmp/slot-a", RUN, "/tmp/run-a"), (OTHER_SLOT, "/tmp/slot-b", OTHER_RUN, "/tmp/run-b")],
                   usage, atomic_kill=True, statuses=lambda: statuses, stop=stop, kill=kill, clock=clock,
-                  directory_bytes=lambda d: files.get(d, 0), wait=lambda pid: None)
+                  directory_bytes=lambda d: files.get(d, 0), wait=lambda pid: None, templates=lambda: (TEMPLATE,))
     return guard, stopped, killed, clock
 
 
@@ -344,19 +347,21 @@ def test_a_sample_that_inflates_its_figures_for_a_calibration_cannot_hide_a_hog_
 
 
 def test_kernel_memory_grown_since_calm_times_is_held_by_nobody_and_restarts_the_sandbox_not_an_innocent():
-    # cgroup v1: a sample that looked up millions of missing paths left ~700 MiB of dentries, which v1 shows only as
-    # kernel memory; calibrated in as the figures' usual excess, the guard then killed a 136 MiB innocent near the
-    # mark (red team, runc). They count from the least kernel memory ever read: a fresh sandbox frees them.
+    # cgroup v1: a sample that looked up millions of missing paths left ~420 MiB of dentries, which v1 shows only as
+    # kernel memory; calibrated in as the figures' usual excess, or excused by what 32 idle slot processes' descriptor
+    # tables could hold (480 MiB), they got 200 MiB innocents killed near the mark (red team, runc). They count from
+    # the least kernel memory ever read, past what samples' own processes could hold: a fresh sandbox frees them.
     statuses = [(k, status(0, rss_anon_kb=10 << 10)) for k in range(1, 31)]  # 750 MiB counted, 200 MiB in use
-    statuses += [(40 + k, status((SLOT, OTHER_SLOT)[k % 2], rss_anon_kb=10 << 10)) for k in range(16)]  # idle slots
+    statuses += [(40 + k, status((SLOT, OTHER_SLOT)[k % 2], rss_anon_kb=10 << 10, ppid=TEMPLATE))
+                 for k in range(32)]  # idle slot processes
     usage = FakeUsage(now=200 << 20, kernel_now=20 << 20, kernel_path="v1")
     guard, stopped, killed, clock = _guard(usage, statuses)
     assert guard.check() is None  # calm
-    usage.now, usage.kernel_now = 850 << 20, 670 << 20  # the dentries
+    usage.now, usage.kernel_now = 620 << 20, 440 << 20  # the dentries
     clock.t += memory_guard.CALIBRATE_S
     assert guard.check() is None  # calibrating again, under the mark
-    statuses.append((99, status(OTHER_SLOT, rss_anon_kb=136 << 10)))  # an innocent
-    usage.now = 1000 << 20
+    statuses.append((99, status(OTHER_SLOT, rss_anon_kb=300 << 10, ppid=40)))  # an innocent, forked
+    usage.now = 920 << 20
     clock.t += 1.0
     assert guard.check() == memory_guard.RESTART and not killed
 
