@@ -219,7 +219,7 @@ def runner_socket(runner: Optional[socket.socket]) -> tuple[Optional[int], Optio
 
 def hand_over(runner: socket.socket, end: socket.socket) -> bool:
     """Sends a child's runner socket to the runner over the slot process's own. The runner serves it before anything
-    else this slot sends (:meth:`.runner.Monitor.loop`), until the slot process writes again: its
+    else this slot sends (:meth:`.monitor.Monitor.loop`), until the slot process writes again: its
     :func:`.run_requests.release`, once the child is gone. Returns False where the runner is gone (the caller then
     closes ``end``, so that the child's program calls fail at once)."""
     try:

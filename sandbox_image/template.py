@@ -34,6 +34,7 @@ from . import runner as runner_module
 from . import private_tmp, processes, seccomp, slot as slots
 from . import worker
 from .channel import ChannelClosed, optional_fd, pair, recv, send
+from .program import RunSlot
 from .records import WorkerConfig
 
 # A slot process that dies before it is ready this many times in a row is reported and no longer respawned.
@@ -76,10 +77,9 @@ class Template:
         specs = [s.spec for s in self.slots]
         if any(spec.uid is not None and spec.run_uid is None for spec in specs):
             return
-        slot_map = {spec.index: runner_module.RunSlot(uid=spec.run_uid, directory=spec.run_directory,
-                                                      nproc=spec.nproc, memory=spec.memory,
-                                                      atomic_kill=spec.atomic_kill,
-                                                      private_tmp=spec.private_tmp) for spec in specs}
+        slot_map = {spec.index: RunSlot(uid=spec.run_uid, directory=spec.run_directory, nproc=spec.nproc,
+                                        memory=spec.memory, atomic_kill=spec.atomic_kill,
+                                        private_tmp=spec.private_tmp) for spec in specs}
         self.runner_pid, self.runner = runner_module.start(slot_map)
 
     def run(self) -> None:
