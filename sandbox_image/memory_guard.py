@@ -7,34 +7,35 @@ at the container's limit the innocent was killed and the hog scored (red team, r
 inside the sandbox: the host's kills its kernel, and with it every sample of the container.
 
 So the supervisor (root, with KILL) watches how much of the limit is in use that the kernel cannot give back
-(:class:`Usage`): the memory cgroup's usage less its file cache (v1 or v2); under gVisor, which has no cgroup files,
-``/proc/meminfo`` (whose total is the container's limit) plus a socket buffer's worth for each socket of the
-sandbox (its kernel's socket buffers are in no figure there). Past the mark (:attr:`Usage.mark`: an eighth of the
-limit below it, a quarter under gVisor) it adds up, per slot, what its processes hold (:func:`held`): those of the
-slot's uid and of the uid of the programs its reward code runs, and the runner's monitor that serves them (root,
-known by its name, which no sample can set); resident anonymous and shared memory, page tables, a socket buffer for
-each descriptor a process's table can hold (a sample can enlarge neither socket nor pipe buffers: see seccomp.py),
-and the files in the slot's tmpfs. The slot that holds the most is stopped at once and killed whole
-(:func:`kill_group`: kill(-1) as its uid, as a slot is cleaned up before its next process takes it; its monitor
-directly). The server sees the slot's process die and blames the unit it was scoring (``crash``); later samples
-run in fresh processes, and the sandbox's log says why.
+(:class:`Usage`): the memory cgroup's usage less its file cache (v1 or v2; v2 less reclaimable slab too); under
+gVisor, which has no cgroup files, ``/proc/meminfo`` (whose total is the container's limit) plus SOCKET_BYTES for
+each socket of the sandbox (its kernel's socket buffers are in no figure there). Past the mark (:attr:`Usage.mark`:
+an eighth of the limit below it, a quarter under gVisor) it adds up, per slot, what its processes hold
+(:func:`held`): those of the slot's uid and of the uid of the programs its reward code runs, and the runner's
+monitor that serves them (root, known by its name, which no sample can set); resident anonymous and shared memory,
+page tables, what their sockets hold (:mod:`.sockets`: Linux says what each uid's sockets queue; under gVisor
+SOCKET_BYTES for each socket a process holds), and the files in the slot's tmpfs. The slot that holds the most is
+stopped at once and killed whole (:func:`kill_group`: kill(-1) as its uid, as a slot is cleaned up before its next
+process takes it; its monitor directly). The server sees the slot's process die and blames the unit it was scoring
+(``crash``); later samples run in fresh processes, and the sandbox's log says why.
 
-When what no process nor file holds is what takes the use past the mark (sockets in flight, which gVisor lists but
-no process holds; what gVisor keeps in Unix sockets sent over themselves; under cgroup v1, kernel memory grown past
-what the processes' figures account for: the dentries of missing paths a sample looked up by the million, which the
-kernel frees only at the limit, descriptors in flight), killing a sample would free nothing and take an innocent:
-the supervisor ends instead, the server reports NOT_SERVING, and the host starts the sandbox afresh. The same
-happens once slot tmpfs that gVisor could not free (:func:`.private_tmp.renew`) hold a quarter of the limit. Under
-cgroup v2 the kernel's reclaimable slab (those dentries) is no use at all.
+Memory that no process holds is no sample's to pay for (:meth:`Guard._unheld`): sockets in flight under gVisor (sent
+over a Unix socket, then closed; what gVisor keeps in Unix sockets sent over themselves), and under cgroup v1 kernel
+memory grown since the sandbox was calm past what processes' page tables and sockets account for (the dentries of
+missing paths a sample looked up by the million, which the kernel frees only at the limit; pipes). A sample is
+killed only when what processes hold takes the use past the mark on its own; up to half the margin, what no
+process holds only moves the mark toward the limit (red teams: a sample that left 30 MiB of dentries got one of
+two innocents killed in every later batch, when it only lowered the mark). Past half the margin the supervisor ends
+instead: the server reports NOT_SERVING, and the host starts the sandbox afresh, which frees it. The same happens
+once slot tmpfs that gVisor could not free (:func:`.private_tmp.renew`) hold a quarter of the limit.
 
 It polls: one read of one file (gVisor: a few, kept open) while there is room, more often the closer the mark is
 (the time memory takes to grow to it at GROWTH_BYTES_PER_S, within MIN_INTERVAL_S and MAX_INTERVAL_S, a fifth of
-that under gVisor), and reads ``/proc`` of every process only past the mark, and every CALIBRATE_S. What it does
-not bound: memory that grows faster than that (under runc the kernel's OOM killer is still behind it); under cgroup
-v1, kernel memory of no process (dentries) up to what the descriptor tables of samples' running processes could
-hold (a slot process's own does not count: see :func:`held`), which still counts as use near the mark; and, under
-runc with cgroup v2, descriptors in flight (sent over a socket, then closed by the sender: in no process's table;
-at most 512 per uid).
+that under gVisor), and reads ``/proc`` of every process only past the mark (every MAX_INTERVAL_S while what no
+process holds keeps the use past it), and every CALIBRATE_S. What it does not bound: memory that grows faster than
+that (under runc the kernel's OOM killer is still behind it); under gVisor, what sockets hold is counted at
+SOCKET_BYTES each, not at what they queue; under cgroup v2, kernel memory other than sockets and reclaimable slab
+(pipes) is weighed with what processes usually count twice, as the rest of the use.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, NamedTuple, Optional
 
-from . import processes
+from . import processes, sockets
 
 _MIB = 1 << 20
 MIN_MARGIN_BYTES = 32 * _MIB
@@ -60,15 +61,13 @@ MEMINFO_MARGIN_FRACTION = 4
 GROWTH_BYTES_PER_S = 8 << 30  # how fast the samples' memory may grow, for how long the guard may sleep
 MIN_INTERVAL_S = 0.002
 MAX_INTERVAL_S = 0.05
-# Each descriptor a process's table can hold (FDSize: Linux's table size, at least 64; gVisor's count) may be a
-# socket whose queue holds SOCKET_BYTES of kernel memory: the default send buffer (net.core.wmem_default, 208 KiB)
-# and the skb overhead (measured: a filled socket pair held about 470 KB). Counting only descriptors past 64 let
-# 20 forks of 26 filled socket pairs each, then exec'd, hold 240 MiB that counted for nobody (red team).
+# Under gVisor, where nothing says what a socket queues, each socket counts as SOCKET_BYTES: the default send buffer
+# (net.core.wmem_default, 208 KiB) and the skb overhead (measured under runc: a filled socket pair held about 470 KB).
 SOCKET_BYTES = 240 << 10
 SETTLE_S = 0.5  # after a kill, see Guard.reaped
 # Once replaced slot tmpfs hold limit / UNHELD_FRACTION (gVisor: private_tmp.leaked_bytes, read every RENEWED_S),
-# the sandbox restarts; so it does, past the mark, when what no process nor file holds is what takes the use past
-# it (Guard.check; counted against the figures' excess over the use in calm times, read every CALIBRATE_S).
+# the sandbox restarts; so it does, past the mark, once what no process nor file holds is half the margin or more
+# (Guard.check; counted against the figures' excess over the use in calm times, read every CALIBRATE_S).
 UNHELD_FRACTION = 4
 CALIBRATE_S = 5.0
 CALIBRATIONS = 6
@@ -76,7 +75,7 @@ RENEWED_S = 1.0
 RESTART = -1  # what Guard.check returns when the sandbox must start afresh
 MONITOR_NAME = b"rbxm-"  # monitor.MONITOR_NAME: a monitor of the program runner, and the run uid it serves
 MEMINFO = "/proc/meminfo"
-SOCKET_TABLES = tuple(f"/proc/net/{name}" for name in ("unix", "tcp", "tcp6", "udp", "udp6"))
+SOCKET_TABLES = sockets.TABLES
 UNLIMITED = 1 << 60  # a cgroup without a limit reports about 2**63
 # A real uid no sample process has, for the child that kills a slot's processes: a fresh slot process cleaning up
 # after its uid has real uid uid | processes.REAPER_UID_BIT, and the two must not be able to signal each other.
@@ -205,37 +204,52 @@ class Held(NamedTuple):
 
     totals: dict  # {slot: (bytes it holds, its pids, the pids of its program runner's monitors)}
     everyone: int  # bytes all processes hold (and the slots' files, once Guard._held adds them)
-    own: int  # of everyone, their resident memory (and the files): what is not kernel memory
-    kernel: int  # of everyone, the kernel memory: page tables, and the descriptor allowance of samples' processes
+    own: int  # of everyone, resident memory (and the files)
+    page_tables: int  # of everyone, page tables
+    sockets: int  # of everyone, what sockets hold
+    in_flight: int = 0  # gVisor: SOCKET_BYTES for each socket no process holds (Linux: every socket has its uid's)
 
 
-def held(groups: dict, statuses: Iterable[tuple[int, bytes]], templates: Iterable[int] = ()) -> Held:
+def held(groups: dict, statuses: Iterable[tuple[int, bytes]], socket_bytes: Optional[dict] = None,
+         sockets_of: Optional[Callable[[int], tuple]] = None, listed: Iterable[int] = ()) -> Held:
     """:class:`Held` from ``(pid, /proc/<pid>/status)`` of the sandbox's processes (``groups`` maps each slot's uids
-    to the slot): what each holds of its own (:func:`.processes.resident_kb`), page tables, and SOCKET_BYTES for
-    each descriptor its table can hold. Pages a fork shares count in each process that maps them: more than the
-    truth, never less. A program runner's monitor (root, named MONITOR_NAME and the run uid it serves) counts for
-    that slot: it holds its programs' output.
+    to the slot): what each holds of its own (:func:`.processes.resident_kb`) and its page tables; pages a fork
+    shares count in each process that maps them: more than the truth, never less. A program runner's monitor
+    (root, named MONITOR_NAME and the run uid it serves) counts for that slot: it holds its programs' output.
 
-    ``kernel`` counts the descriptor allowance of samples' processes only, not of slot processes (children of one of
-    ``templates`` under their slot's uid): trusted processes' sockets hold what is ours (a sample's answers are held
-    by its own sending socket), and a slot process's table holds the slot's own descriptors, unless a sample that
-    tainted it opened more, in its last moments (it retires). Counted for every idle slot process, the allowance
-    (15 MiB each) excused 480 MiB of kernel memory no process held, and the guard killed innocents for it (red
-    team: dentries)."""
-    templates = frozenset(templates)
+    Sockets: ``socket_bytes`` ({uid: bytes its sockets queue}, :func:`.sockets.bytes_by_uid`) count for that uid's
+    slot; or (gVisor) SOCKET_BYTES for each socket ``sockets_of(pid)`` says a process holds (each counted once; for
+    each descriptor of a process with many, :func:`.sockets.held_by`), and each other socket ``listed`` names, less
+    those, is in flight (``in_flight``). Not the size of a process's descriptor table: a ``dup2`` to descriptor 511
+    made it count for 120 MiB, which excused as much of what no process held and got an innocent killed (red
+    team)."""
     totals: dict = {}
-    everyone = own = kernel = 0
+    everyone = own = page_tables = socket_total = counted = 0
+    seen: set = set()
+
+    def add(group, memory: int, pid: Optional[int] = None, monitor: bool = False) -> None:
+        total, pids, monitors = totals.get(group, (0, [], []))
+        if pid is not None:
+            pids, monitors = pids + [pid] * (not monitor), monitors + [pid] * monitor
+        totals[group] = (total + memory, pids, monitors)
+
     for pid, status in statuses:
         fields = processes.status_fields(status)
         if not fields.get(b"Uid"):
             continue
         resident = processes.resident_kb(fields) * 1024
-        tables = processes.status_kb(fields, b"FDSize") * SOCKET_BYTES
-        page_tables = processes.status_kb(fields, b"VmPTE") * 1024
-        memory = resident + page_tables + tables
-        everyone += memory
+        tables = processes.status_kb(fields, b"VmPTE") * 1024
+        held_sockets = 0
+        if sockets_of is not None:
+            inodes, descriptors = sockets_of(pid)
+            mine = inodes - seen
+            seen |= mine
+            counted += descriptors
+            held_sockets = SOCKET_BYTES * (len(mine) + descriptors)
+        everyone += resident + tables + held_sockets
         own += resident
-        kernel += page_tables
+        page_tables += tables
+        socket_total += held_sockets
         uid = int(fields[b"Uid"][0])
         name = fields.get(b"Name", [b""])[0]
         monitor = uid == 0 and name.startswith(MONITOR_NAME)  # root's: no sample can name it
@@ -243,11 +257,14 @@ def held(groups: dict, statuses: Iterable[tuple[int, bytes]], templates: Iterabl
             uid = int(name[len(MONITOR_NAME):]) if name[len(MONITOR_NAME):].isdigit() else 0
         group = groups.get(uid)
         if group is not None:
-            if uid != group or monitor or int(fields.get(b"PPid", [b"0"])[0]) not in templates:
-                kernel += tables
-            total, pids, monitors = totals.get(group, (0, [], []))
-            totals[group] = (total + memory, pids + [pid] * (not monitor), monitors + [pid] * monitor)
-    return Held(totals, everyone, own, kernel)
+            add(group, resident + tables + held_sockets, pid, monitor)
+    for uid, queued in (socket_bytes or {}).items():
+        everyone += queued
+        socket_total += queued
+        if groups.get(uid) is not None:
+            add(groups[uid], queued)
+    in_flight = SOCKET_BYTES * max(0, len(set(listed) - seen) - counted) if sockets_of is not None else 0
+    return Held(totals, everyone, own, page_tables, socket_total, in_flight)
 
 
 def kill_group(uids: tuple, atomic: bool, sig: int = signal.SIGKILL) -> int:
@@ -293,7 +310,8 @@ class Guard:
                  directory_bytes: Callable[[str], int] = processes.unnamed_bytes,
                  renewed: Optional[Callable[[], int]] = None,
                  wait: Callable[[int], object] = lambda pid: os.waitpid(pid, 0),
-                 templates: Callable[[], Iterable[int]] = tuple):
+                 socket_bytes: Callable[[], Optional[dict]] = sockets.bytes_by_uid,
+                 sockets_of: Callable[[int], tuple] = sockets.held_by, listed: Callable[[], set] = sockets.listed):
         self.groups = {}
         self.members: dict = {}
         self.directories: dict = {}  # slot -> the tmpfs directories of its uids
@@ -309,7 +327,13 @@ class Guard:
         self.mark = usage.mark
         self.atomic_kill = atomic_kill
         self.statuses, self.stop, self.kill, self.clock, self.wait = statuses, stop, kill, clock, wait
-        self.templates = templates  # the pids of the template processes (see held)
+        # What sockets hold (see held): Linux says it by uid; under gVisor (its /proc/net counted in the use), which
+        # sockets processes hold open, the rest being in flight. Neither: what sockets hold is no process's.
+        self.socket_bytes = socket_bytes if usage.usage_path and socket_bytes() is not None else None
+        self.sockets_of, self.listed = (sockets_of, listed) if usage.socket_tables else (None, None)
+        self.free_pass = 0  # what no process holds, as last read past the mark: see check
+        self.next_scan = 0.0
+        self.scan_s = 0.0  # how long reading what every process holds took, last time
         self.killing: dict = {}  # pid of a killing child -> its slot
         self.next_check = 0.0
         # After a kill: until settle_until, only use above floor kills again (the killed processes' memory may take
@@ -319,7 +343,7 @@ class Guard:
         self.last_killed: Optional[int] = None
         self.offset = 0  # see _calibrate
         self.readings: list = []
-        self.kernel_floor: Optional[int] = None  # see _calibrate
+        self.kernel_floor: Optional[int] = None  # see _unheld
         self.next_calibration = 0.0
         self.last_held = 0
 
@@ -328,9 +352,10 @@ class Guard:
         return max(0.0, self.next_check - self.clock())
 
     def check(self) -> Optional[int]:
-        """Reads the usage; past the mark, kills the slot that holds the most (unless one is being killed, or the
-        last one's memory may still be coming back). Returns the slot uid it started killing, RESTART when most of
-        what is in use is held by nothing it could kill (the sandbox must start afresh), or None."""
+        """Reads the usage; past the mark, kills the slot that holds the most, when what processes hold takes the use
+        past it on its own (unless one is being killed, or the last one's memory may still be coming back). Returns
+        the slot uid it started killing, RESTART when what no process holds is half the margin or more (the sandbox
+        must start afresh), or None."""
         now = self.clock()
         try:
             pressure = self.usage.pressure()
@@ -339,7 +364,9 @@ class Guard:
         except (OSError, ValueError, KeyError):
             self.next_check = now + MAX_INTERVAL_S
             return None
-        room = self.mark - pressure
+        if pressure < self.mark:
+            self.free_pass = 0
+        room = self.mark + self.free_pass - pressure
         self.next_check = now + min(self.usage.longest_sleep, max(MIN_INTERVAL_S, room / GROWTH_BYTES_PER_S))
         if self.renewed is not None and now >= self.next_renewed:
             self.next_renewed = now + RENEWED_S
@@ -350,11 +377,22 @@ class Guard:
             if leaked >= self.usage.limit // UNHELD_FRACTION:
                 return self._restart(f"replaced slot tmpfs hold {leaked / _MIB:.0f} MiB that Unix sockets sent over "
                                      f"themselves keep (gVisor never frees those)", self._held().totals)
-        if room > 0 and now >= self.next_calibration:
+        if pressure < self.mark and now >= self.next_calibration:
             self._calibrate(now)
-        if room > 0 or self.killing or (now < self.settle_until and pressure < self.floor):
+        if pressure < self.mark or (room > 0 and now < self.next_scan) or self.killing \
+                or (now < self.settle_until and pressure < self.floor):
             return None
-        found = self._held()
+        found = self._held(sockets=False) if self.sockets_of is not None else None
+        if found is not None and found.everyone + self.offset >= self.mark:
+            # What processes hold of their own takes the use past the mark: the one holding the most goes. Under
+            # gVisor, reading which sockets they hold costs 15 ms or more (a readlink each): 12 forks of 80 MiB each
+            # outran a guard that read them first, and the host killed the sandbox.
+            unheld = 0
+        else:
+            started = time.monotonic()
+            found = self._held()
+            self.scan_s = time.monotonic() - started
+            unheld = None
         totals = found.totals
         if now < self.settle_until and totals.get(self.last_killed, (0,))[0] <= self.last_held:
             # The slot just killed has a fresh process by now: what is counted for it, no more than its old one
@@ -362,14 +400,23 @@ class Guard:
             totals.pop(self.last_killed, None)
         slot, (most, pids, monitors) = max(totals.items(), key=lambda item: item[1][0]) if totals \
             else (None, (0, [], []))
-        unheld = self._unheld(pressure, found)
-        if now >= self.settle_until and unheld >= max(MIN_MARGIN_BYTES, pressure - self.mark):
-            # What no process holds, nor any slot's files, is what takes the use past the mark: killing a sample
-            # would free none of it (gVisor keeps Unix sockets sent over themselves and what rides in them, and
-            # counts sockets in flight), and would take an innocent (red team).
+        unheld = self._unheld(pressure, found) if unheld is None else unheld
+        most_unheld = (self.usage.limit - self.mark) // 2
+        if now >= self.settle_until and unheld >= most_unheld:
+            # Killing a sample would free none of it (gVisor keeps Unix sockets sent over themselves and what rides
+            # in them; dentries), would take an innocent (red teams), and it leaves too little of the margin.
             return self._restart(f"{pressure / _MIB:.0f} of the sandbox's {self.usage.limit / _MIB:.0f} MiB in "
                                  f"use, {unheld / _MIB:.0f} MiB of it held by no process nor any sample's files",
                                  totals)
+        unheld = min(unheld, most_unheld)  # while a killed sample's memory comes back, no more than this
+        if pressure - unheld < self.mark:
+            # What processes hold is under the mark: what no process holds is no sample's to pay for. It moves the
+            # mark while it lasts (read again every MAX_INTERVAL_S: it may be taken into a process, or freed).
+            self.free_pass, self.next_scan = unheld, now + max(MAX_INTERVAL_S, 5 * self.scan_s)
+            room = self.mark + unheld - pressure
+            self.next_check = now + min(self.usage.longest_sleep, max(MIN_INTERVAL_S, room / GROWTH_BYTES_PER_S))
+            return None
+        self.free_pass = 0
         if slot is None:
             return None
         for pid in pids:  # at once, before the fork of the killer: its memory stops growing now
@@ -405,46 +452,47 @@ class Guard:
     def _calibrate(self, now: float) -> None:
         """How much more than the use its figures add up to (pages shared by forks count in each process), so that
         what no process holds is not hidden behind it: the least excess of the last CALIBRATIONS readings, taken
-        while the use is under the mark (a sample that inflates its own figures for one reading, descriptors it
-        holds but never fills, cannot make the guard take what it holds for memory no one holds: red team).
-
-        Where kernel memory shows apart (cgroup v1: :meth:`Usage.kernel`), the readings weigh only the processes' own
-        memory, and the least kernel memory ever read is kept (``kernel_floor``; see :meth:`_unheld`). Calibrated in
-        with the rest, the dentries a sample left by looking up millions of missing paths (which the kernel frees
-        only at the limit, past which the guard never lets the use go) became the figures' usual excess, and the
-        guard killed innocents for them near the mark (red team, runc); now they make the sandbox start afresh, which
-        frees them."""
+        while the use is under the mark (a sample that inflates its own figures for one reading cannot make the
+        guard take what it holds for memory no one holds: red team). Only the processes' own memory is weighed so
+        (and the use less kernel memory, where that shows apart: cgroup v1; less the sockets in flight, under
+        gVisor): what sockets hold is read as it is, and under cgroup v1 the least kernel memory no figure accounts
+        for is kept instead (``kernel_floor``, see :meth:`_unheld`)."""
         self.next_calibration = now + CALIBRATE_S
         try:
             found = self._held()
+            exact = self.usage.exact()
             if self.usage.kernel_path:
                 kernel = self.usage.kernel()
-                excess = self.usage.exact() - kernel - found.own
-                self.kernel_floor = kernel if self.kernel_floor is None else min(self.kernel_floor, kernel)
+                excess = exact - kernel - found.own
+                other = kernel - found.page_tables - found.sockets
+                self.kernel_floor = other if self.kernel_floor is None else min(self.kernel_floor, other)
             else:
-                excess = self.usage.exact() - found.everyone
+                excess = exact - found.in_flight - found.everyone
         except (OSError, ValueError, KeyError):
             return
         self.readings = (self.readings + [excess])[-CALIBRATIONS:]
         self.offset = min(0, max(self.readings))
 
     def _unheld(self, use: int, found: Held) -> int:
-        """Bytes of ``use`` that no process nor any slot's files hold, by their figures less what they usually count
-        twice (:meth:`_calibrate`). Where kernel memory shows apart (cgroup v1), the processes' own memory is weighed
-        against the rest of the use, and the kernel memory grown since the least ever read against what the
-        processes' figures account for of it (their page tables, and what the samples' descriptors may hold): what
-        is left of that growth is held by no process (the dentries of missing paths looked up, descriptors in
-        flight), which the kernel frees, if at all, only at the limit."""
+        """Bytes of ``use`` that no process nor any slot's files hold: what the processes' figures do not add up to,
+        less what they usually count twice (:meth:`_calibrate`), and sockets in flight (gVisor). Under cgroup v1,
+        kernel memory apart: the processes' own memory is weighed against the rest of the use, and the kernel memory
+        that neither page tables nor sockets account for, since the least of it read in calm times, is no process's
+        (dentries of missing paths looked up, pipes): the kernel frees the dentries only at the limit. Calibrated in
+        as the figures' usual excess, a sample's dentries got innocents killed near the mark (red team, runc)."""
         if not self.usage.kernel_path:
-            return use - found.everyone - self.offset
+            return max(0, use - found.in_flight - found.everyone - self.offset) + found.in_flight
         kernel = self.usage.kernel()
-        floor = kernel if self.kernel_floor is None else self.kernel_floor
-        return max(0, use - kernel - found.own - self.offset) + max(0, kernel - floor - found.kernel)
+        other = kernel - found.page_tables - found.sockets
+        floor = other if self.kernel_floor is None else self.kernel_floor
+        return max(0, use - kernel - found.own - self.offset) + max(0, other - floor)
 
-    def _held(self) -> Held:
-        """:func:`held` of the sandbox's processes, each slot's files counted for it (a sample's files are its memory
-        too) and in the totals."""
-        found = held(self.groups, self.statuses(), self.templates())
+    def _held(self, sockets: bool = True) -> Held:
+        """:func:`held` of the sandbox's processes and (``sockets``) sockets, each slot's files counted for it (a
+        sample's files are its memory too) and in the totals."""
+        found = held(self.groups, self.statuses(),
+                     self.socket_bytes() if sockets and self.socket_bytes is not None else None,
+                     self.sockets_of if sockets else None, self.listed() if sockets and self.listed else ())
         totals, everyone, own = found.totals, found.everyone, found.own
         for slot, directories in self.directories.items():
             files = sum(self._directory_bytes(d) for d in directories)
@@ -453,7 +501,7 @@ class Guard:
                 totals[slot] = (total + files, pids, monitors)
                 everyone += files
                 own += files
-        return Held(totals, everyone, own, found.kernel)
+        return found._replace(everyone=everyone, own=own)
 
     def _directory_bytes(self, directory: str) -> int:
         try:

@@ -20,7 +20,7 @@ memory, and the OOM killer would take an innocent concurrent sample instead. For
 buffers stay at their default size: ``setsockopt`` SO_SNDBUF, SO_RCVBUF and their FORCE forms succeed and change
 nothing (the kernel may adjust what is asked anyway), and a pipe's too (``fcntl`` F_SETPIPE_SZ is refused; gVisor
 shows pipe buffers in no memory figure at all), so what a sample's sockets and pipes hold is bounded by its open
-files (:data:`.slot.SAMPLE_OPEN_FILES`), which the memory guard counts (:mod:`.memory_guard`). ``setsockopt``
+files (:data:`.slot.SAMPLE_OPEN_FILES`); the memory guard reads what sockets hold (:mod:`.sockets`). ``setsockopt``
 SO_LINGER succeeds and changes nothing as well: a TCP socket that lingers makes the ``close`` that drops its last
 reference wait (up to the hour it asks for) until its queued data is taken, and a sample can make that close
 somebody else's (its socket sent to the program runner, whose monitor closes what it finds in flight there); under

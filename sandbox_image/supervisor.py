@@ -111,7 +111,6 @@ class Supervisor:
         self.guard = memory_guard.Guard(
             slots, usage, pool.atomic_kill,
             renewed=private_tmp.leaked_bytes if pool.private_tmp == "chroot" else None,
-            templates=self.held.keys,
         ) if usage is not None else None
 
     def run(self) -> None:

@@ -1,0 +1,78 @@
+"""What the sandbox's sockets hold (``rewardbox.sandbox.sockets``), read from this machine's kernel: sock_diag says
+what each uid's sockets queue, and /proc tells sockets a process holds from those in flight. Under gVisor, in a real
+container: tests/docker/test_reuse.py."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from rewardbox.sandbox import sockets
+
+MIB = 1 << 20
+
+
+def _fill(sock: socket.socket) -> int:
+    sock.setblocking(False)
+    sent = 0
+    try:
+        while True:
+            sent += sock.send(bytes(65536))
+    except BlockingIOError:
+        return sent
+
+
+def test_what_this_uids_unix_and_tcp_sockets_queue_is_read_as_it_is():
+    before = (sockets.bytes_by_uid() or {}).get(os.getuid(), 0)
+    pairs = [socket.socketpair() for _ in range(8)]
+    queued = sum(_fill(a) for a, _ in pairs)
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    queued += _fill(client)
+    try:
+        grown = sockets.bytes_by_uid()[os.getuid()] - before
+        # what was sent, and the kernel's overhead on it (a filled pair held about 470 KB for 208 KiB sent)
+        assert queued <= grown <= 4 * queued + 8 * MIB, (queued, grown)
+    finally:
+        for s in [server, client, accepted, *(s for pair in pairs for s in pair)]:
+            s.close()
+    assert sockets.bytes_by_uid()[os.getuid()] - before < MIB  # freed with them
+
+
+def test_an_empty_socket_holds_next_to_nothing_however_large_a_descriptor_table_is():
+    before = (sockets.bytes_by_uid() or {}).get(os.getuid(), 0)
+    pairs = [socket.socketpair() for _ in range(100)]
+    try:
+        assert sockets.bytes_by_uid().get(os.getuid(), 0) - before < MIB
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
+def test_a_socket_sent_over_a_unix_socket_and_closed_is_listed_and_held_by_no_process():
+    a, b = socket.socketpair()
+    carried, other = socket.socketpair()
+    inode = os.fstat(carried.fileno()).st_ino
+    try:
+        assert inode in sockets.held_by(os.getpid())[0] and inode in sockets.listed()
+        socket.send_fds(a, [b"x"], [carried.fileno()])
+        carried.close()
+        assert inode not in sockets.held_by(os.getpid())[0] and inode in sockets.listed()
+    finally:
+        for s in (a, b, other):
+            s.close()
+
+
+def test_a_process_with_many_descriptors_is_counted_and_one_that_cannot_be_read_holds_none():
+    files = [os.open("/dev/null", os.O_RDONLY) for _ in range(70)]
+    try:
+        inodes, descriptors = sockets.held_by(os.getpid())
+        assert inodes == set() and descriptors >= 70
+    finally:
+        for fd in files:
+            os.close(fd)
+    assert sockets.held_by(2 ** 22 + 1) == (set(), 0)  # no such process
