@@ -126,13 +126,15 @@ class Usage:
         if not self.usage_path:
             info = _fields(MEMINFO)
             used = (info["MemTotal"] - info.get("MemAvailable", info["MemTotal"])) * 1024
-            return used + SOCKET_BYTES * sum(_rows(path) for path in self.socket_tables)
+            _LISTED[0] = sum(_rows(path) for path in self.socket_tables)
+            return used + SOCKET_BYTES * _LISTED[0]
         usage = _read_int(self.usage_path)
         stat = _fields(self.stat_path, separator=" ")
         return usage - sum(stat.get(key, 0) for key in self.cache_keys)
 
 
 _OPEN: dict = {}  # path -> descriptor, kept open: under gVisor, pread costs a tenth of open+read (0.3 ms a poll)
+_LISTED = [0]  # the sockets /proc/net listed at the last Usage.exact (gVisor)
 
 
 def _read(path: str) -> bytes:
@@ -263,7 +265,7 @@ def held(groups: dict, statuses: Iterable[tuple[int, bytes]], socket_bytes: Opti
         socket_total += queued
         if groups.get(uid) is not None:
             add(groups[uid], queued)
-    in_flight = SOCKET_BYTES * max(0, len(set(listed) - seen) - counted) if sockets_of is not None else 0
+    in_flight = SOCKET_BYTES * max(0, len(set(listed) - seen) - counted)  # without sockets_of: each listed one
     return Held(totals, everyone, own, page_tables, socket_total, in_flight)
 
 
@@ -377,16 +379,18 @@ class Guard:
             if leaked >= self.usage.limit // UNHELD_FRACTION:
                 return self._restart(f"replaced slot tmpfs hold {leaked / _MIB:.0f} MiB that Unix sockets sent over "
                                      f"themselves keep (gVisor never frees those)", self._held().totals)
-        if pressure < self.mark and now >= self.next_calibration:
-            self._calibrate(now)
+        if pressure < 2 * self.mark - self.usage.limit and now >= self.next_calibration:
+            self._calibrate(now)  # in calm times only: under gVisor it takes 20 ms, which a hog could use to grow
         if pressure < self.mark or (room > 0 and now < self.next_scan) or self.killing \
                 or (now < self.settle_until and pressure < self.floor):
             return None
-        found = self._held(sockets=False) if self.sockets_of is not None else None
-        if found is not None and found.everyone + self.offset >= self.mark:
-            # What processes hold of their own takes the use past the mark: the one holding the most goes. Under
-            # gVisor, reading which sockets they hold costs 15 ms or more (a readlink each): 12 forks of 80 MiB each
-            # outran a guard that read them first, and the host killed the sandbox.
+        most_unheld = (self.usage.limit - self.mark) // 2
+        found = self._held(listed=range(_LISTED[0])) if self.sockets_of is not None else None
+        if found is not None and pressure - min(self._unheld(pressure, found), most_unheld) >= self.mark:
+            # Even were every socket in flight, what processes hold of their own takes the use past the mark: the
+            # one holding the most goes. Under gVisor, reading which sockets they hold costs 15 ms or more (a
+            # readlink each): 12 forks of 80 MiB each outran a guard that read them first, and the host killed the
+            # sandbox.
             unheld = 0
         else:
             started = time.monotonic()
@@ -401,7 +405,6 @@ class Guard:
         slot, (most, pids, monitors) = max(totals.items(), key=lambda item: item[1][0]) if totals \
             else (None, (0, [], []))
         unheld = self._unheld(pressure, found) if unheld is None else unheld
-        most_unheld = (self.usage.limit - self.mark) // 2
         if now >= self.settle_until and unheld >= most_unheld:
             # Killing a sample would free none of it (gVisor keeps Unix sockets sent over themselves and what rides
             # in them; dentries), would take an innocent (red teams), and it leaves too little of the margin.
@@ -487,12 +490,15 @@ class Guard:
         floor = other if self.kernel_floor is None else self.kernel_floor
         return max(0, use - kernel - found.own - self.offset) + max(0, other - floor)
 
-    def _held(self, sockets: bool = True) -> Held:
-        """:func:`held` of the sandbox's processes and (``sockets``) sockets, each slot's files counted for it (a
-        sample's files are its memory too) and in the totals."""
-        found = held(self.groups, self.statuses(),
-                     self.socket_bytes() if sockets and self.socket_bytes is not None else None,
-                     self.sockets_of if sockets else None, self.listed() if sockets and self.listed else ())
+    def _held(self, listed: Optional[Iterable[int]] = None) -> Held:
+        """:func:`held` of the sandbox's processes and sockets, each slot's files counted for it (a sample's files are
+        its memory too) and in the totals. With ``listed`` (gVisor), no process's sockets are read: each of those
+        may be in flight."""
+        if listed is not None:
+            found = held(self.groups, self.statuses(), listed=listed)
+        else:
+            found = held(self.groups, self.statuses(), self.socket_bytes() if self.socket_bytes is not None else None,
+                         self.sockets_of, self.listed() if self.listed is not None else ())
         totals, everyone, own = found.totals, found.everyone, found.own
         for slot, directories in self.directories.items():
             files = sum(self._directory_bytes(d) for d in directories)

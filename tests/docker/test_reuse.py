@@ -396,33 +396,97 @@ def test_a_sample_cannot_fill_the_kernel_with_empty_files(sandboxes):
         assert all(v is not None and 1000 < v < 10_000 for v in report.values[:3]), report.values[:3]
 
 
-def test_dentries_a_sample_left_by_looking_up_missing_paths_get_no_innocent_killed(sandboxes):
-    # Each lookup of a missing path on the image's file system leaves a dentry (with a long name, ~900 bytes of
-    # kernel memory), which the kernel frees only at the limit. A sample that left 420 MiB of them in a 1 GiB sandbox
-    # (runc, cgroup v1: it stops by the cgroup's own kernel memory figure) got later 200 MiB innocents killed near
-    # the mark, 3 of 4 a batch: the memory guard took the dentries for the usual excess of its figures, then for what
-    # idle slot processes' descriptors could hold (red teams). Under gVisor its own kernel keeps few.
-    flooder = textwrap.dedent("""
+def _leave_dentries(sandboxes, mib: int) -> list:
+    """A sample that looks up missing paths on the image's file system until the cgroup's own kernel memory figure
+    grew by ``mib`` (runc, cgroup v1), or for 4 s: each lookup leaves a dentry (with a long name, ~900 bytes of kernel
+    memory) that the kernel frees only at the limit. Under gVisor, its own kernel keeps few. Then the memory guard
+    reads its figures once in calm times. Returns the MiB the sample saw grow."""
+    flooder = textwrap.dedent(f"""
         import os, time
         kernel = "/sys/fs/cgroup/memory/memory.kmem.usage_in_bytes"
         used = lambda: int(open(kernel).read()) if os.path.exists(kernel) else 0
         start, end, looked = used(), time.monotonic() + 4, 0
-        name = f"/usr/lib/{os.getpid()}" + "y" * 200
-        while used() - start < (420 << 20) and time.monotonic() < end:
+        name = f"/usr/lib/{{os.getpid()}}" + "y" * 200
+        while used() - start < ({mib} << 20) and time.monotonic() < end:
             for _ in range(2000):
                 try:
-                    os.stat(f"{name}{looked}")
+                    os.stat(f"{{name}}{{looked}}")
                 except OSError:
                     pass
                 looked += 1
         score = (used() - start) / (1 << 20)
     """)
     floods = score(sandboxes, "run", [flooder])
-    time.sleep(memory_guard.CALIBRATE_S + 1)  # the guard reads its figures in calm times: once with the dentries
+    time.sleep(memory_guard.CALIBRATE_S + 1)
+    return floods.values
+
+
+def _leave_sockets_in_flight(sandboxes, pairs: int) -> list:
+    """A sample that sends socket pairs over themselves and closes them: in flight, held by no process (gVisor never
+    frees them; Linux collects them once the sample's processes are gone). Then the guard reads its figures."""
+    planter = textwrap.dedent(f"""
+        import socket
+        for _ in range({pairs}):
+            a, b = socket.socketpair()
+            socket.send_fds(a, [b"x"], [a.fileno(), b.fileno()])
+            a.close()
+            b.close()
+        score = 1.0
+    """)
+    planted = score(sandboxes, "run", [planter])
+    time.sleep(memory_guard.CALIBRATE_S + 1)
+    return planted.values
+
+
+def test_dentries_a_sample_left_by_looking_up_missing_paths_get_no_innocent_killed(sandboxes):
+    # 420 MiB of dentries in a 1 GiB sandbox (runc, cgroup v1) got later 200 MiB innocents killed near the mark, 3 of
+    # 4 a batch: the memory guard took them for the usual excess of its figures, then for what idle slot processes'
+    # descriptors could hold (red teams). They restart the sandbox now, which frees them.
+    floods = _leave_dentries(sandboxes, 420)
     toucher = "buffer = b'x' * (200 << 20)\nimport time\ntime.sleep(0.6)\nscore = 0.25"
     for _ in range(3):
         report = score(sandboxes, "run", [toucher] * 4)
-        assert report.values == [0.25] * 4 and report.statuses == [Status.OK] * 4, (report.errors, floods.values)
+        assert report.values == [0.25] * 4 and report.statuses == [Status.OK] * 4, (report.errors, floods)
+
+
+def test_a_little_memory_no_process_holds_gets_no_innocent_near_the_mark_killed(sandboxes):
+    # 30 MiB of dentries, under what the guard then let pass, lowered the mark for good: one of two 380 MiB innocents
+    # was killed in every later batch (red team, runc; under gVisor, sockets in flight). What no process holds moves
+    # the mark now, up to half the margin. (A gVisor sample's address space is at most 384 MiB here.)
+    runc = sandboxes.runtime == "runc"
+    left = _leave_dentries(sandboxes, 45) if runc else _leave_sockets_in_flight(sandboxes, 200)
+    holder = f"import time\nbuffer = b'x' * ({370 if runc else 250} << 20)\ntime.sleep(1.0)\nscore = 1.25"
+    for _ in range(2):
+        report = score(sandboxes, "run", [holder] * 2)
+        assert report.values == [1.25] * 2 and report.statuses == [Status.OK] * 2, (report.errors, left)
+
+
+def test_descriptor_tables_excuse_none_of_what_no_process_holds(sandboxes):
+    # What no process held (runc: 350 MiB of dentries; gVisor: 500 socket pairs in flight, counted 240 KiB each) was
+    # excused by a concurrent sample's forks, each with a dup2 to descriptor 511 (a table of 512 counted 120 MiB),
+    # and the guard killed the innocent beside them, the biggest slot (red team). What sockets hold is read as it is
+    # now, and what no process holds restarts the sandbox: the innocent is scored again.
+    left = _leave_dentries(sandboxes, 350) if sandboxes.runtime == "runc" else _leave_sockets_in_flight(sandboxes, 500)
+    tables = textwrap.dedent("""
+        import os, time
+        children = []
+        for _ in range(3):
+            child = os.fork()
+            if child == 0:
+                os.dup2(os.open("/dev/null", os.O_RDONLY), 511)
+                time.sleep(2.5)
+                os._exit(0)
+            children.append(child)
+        for child in children:
+            os.waitpid(child, 0)
+        score = 7.0
+    """)
+    size = 440 if sandboxes.runtime == "runc" else 340
+    innocent = f"import time\ntime.sleep(0.7)\nbuffer = b'x' * ({size} << 20)\ntime.sleep(1.0)\nscore = 1.25"
+    report = score(sandboxes, "run", [tables, innocent])
+    assert (report.values[1], report.statuses[1]) == (1.25, Status.OK), (report.errors, left)
+    later = score(sandboxes, "run", [HOLDS_60_MIB] * 2)
+    assert later.values == [0.5] * 2 and later.statuses == [Status.OK] * 2, later.errors
 
 
 def test_a_reward_whose_samples_taint_runs_each_in_a_child_of_a_slot_process_that_stays(sandboxes):
