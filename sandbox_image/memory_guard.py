@@ -334,6 +334,7 @@ class Guard:
         self.socket_bytes = socket_bytes if usage.usage_path and socket_bytes() is not None else None
         self.sockets_of, self.listed = (sockets_of, listed) if usage.socket_tables else (None, None)
         self.free_pass = 0  # what no process holds, as last read past the mark: see check
+        self.calm_unheld = 0  # what no process held at the last calm reading: see _calibrate
         self.next_scan = 0.0
         self.scan_s = 0.0  # how long reading what every process holds took, last time
         self.killing: dict = {}  # pid of a killing child -> its slot
@@ -405,21 +406,30 @@ class Guard:
         slot, (most, pids, monitors) = max(totals.items(), key=lambda item: item[1][0]) if totals \
             else (None, (0, [], []))
         unheld = self._unheld(pressure, found) if unheld is None else unheld
+        # What no process held in calm times already (what finished samples left: dentries, sockets in flight) moves
+        # the mark; what appeared since may be a running sample's doing, which it must not buy room with: empty
+        # sockets (kernel memory no queue shows) moved the mark 41 MiB, 32 forks filled it at once, and the
+        # kernel's OOM killer took an innocent before the guard acted (red team).
+        left = min(unheld, self.calm_unheld, most_unheld)
+        why = f"{pressure / _MIB:.0f} of the sandbox's {self.usage.limit / _MIB:.0f} MiB in use, {unheld / _MIB:.0f} " \
+              f"MiB of it held by no process nor any sample's files"
         if now >= self.settle_until and unheld >= most_unheld:
             # Killing a sample would free none of it (gVisor keeps Unix sockets sent over themselves and what rides
             # in them; dentries), would take an innocent (red teams), and it leaves too little of the margin.
-            return self._restart(f"{pressure / _MIB:.0f} of the sandbox's {self.usage.limit / _MIB:.0f} MiB in "
-                                 f"use, {unheld / _MIB:.0f} MiB of it held by no process nor any sample's files",
-                                 totals)
-        unheld = min(unheld, most_unheld)  # while a killed sample's memory comes back, no more than this
-        if pressure - unheld < self.mark:
-            # What processes hold is under the mark: what no process holds is no sample's to pay for. It moves the
-            # mark while it lasts (read again every MAX_INTERVAL_S: it may be taken into a process, or freed).
-            self.free_pass, self.next_scan = unheld, now + max(MAX_INTERVAL_S, 5 * self.scan_s)
-            room = self.mark + unheld - pressure
+            return self._restart(why, totals)
+        if pressure - left < self.mark:
+            # What processes hold is under the mark: what no process held in calm times is no sample's to pay for.
+            # It moves the mark while it lasts (read again every MAX_INTERVAL_S or more: it may be freed).
+            self.free_pass, self.next_scan = left, now + max(MAX_INTERVAL_S, 5 * self.scan_s)
+            room = self.mark + left - pressure
             self.next_check = now + min(self.usage.longest_sleep, max(MIN_INTERVAL_S, room / GROWTH_BYTES_PER_S))
             return None
         self.free_pass = 0
+        if now >= self.settle_until and unheld - left >= max(MIN_MARGIN_BYTES, pressure - left - self.mark):
+            # What no process holds takes the use past the mark, and appeared since calm times: killing a sample
+            # would free none of it and take an innocent. (Less than MIN_MARGIN_BYTES is kernel memory coming and
+            # going with the samples' work: pipes, processes; a program's output through the runner took 5 MiB.)
+            return self._restart(why, totals)
         if slot is None:
             return None
         for pid in pids:  # at once, before the fork of the killer: its memory stops growing now
@@ -475,6 +485,7 @@ class Guard:
             return
         self.readings = (self.readings + [excess])[-CALIBRATIONS:]
         self.offset = min(0, max(self.readings))
+        self.calm_unheld = self._unheld(exact, found)
 
     def _unheld(self, use: int, found: Held) -> int:
         """Bytes of ``use`` that no process nor any slot's files hold: what the processes' figures do not add up to,
