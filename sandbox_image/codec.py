@@ -43,6 +43,7 @@ RETIRING = b"X"
 MAGIC = b"RBX1"
 _HEADER = struct.Struct("<4sIQI")
 _SAMPLE = struct.Struct("<BBdIf")
+_ONE = struct.Struct("<4sIQIBBdIf")  # a one-sample answer's header and sample together (the streamed common case)
 MAX_SECONDS = 1e6  # a time beyond this (or negative, or not finite) is not taken
 MAX_ERROR_BYTES = 8 * 1024
 LOG_SLACK_BYTES = 4 * 1024  # the "[n more characters dropped]" note and multi-byte characters
@@ -147,8 +148,13 @@ def encode_result(outcomes: Sequence[Outcome], logs: str, dropped: int, max_log_
                   seconds: Optional[float] = None) -> bytes:
     """The worker's answer; ``seconds``: how long the unit took (each of its samples gets it). Never raises for what
     the values or texts contain."""
-    parts = [b""]
     took = math.nan if seconds is None else min(seconds, MAX_SECONDS)
+    if len(outcomes) == 1 and not logs and not outcomes[0].error:  # a sample's own answer, the streamed common case
+        o = outcomes[0]
+        has_value = o.value is not None
+        return _ONE.pack(MAGIC, 1, max(0, dropped), 0, o.status.wire, has_value, float(o.value) if has_value else 0.0,
+                         0, took)
+    parts = [b""]
     for o in outcomes:
         error = _utf8(o.error or "", MAX_ERROR_BYTES)
         has_value = o.value is not None
@@ -167,7 +173,6 @@ def result_limit(samples: int, max_log_bytes: int) -> int:
 
 HEADER_SIZE = _HEADER.size
 SAMPLE_SIZE = _SAMPLE.size
-_ONE = struct.Struct("<4sIQIBBdIf")  # a one-sample answer's header and sample together (the streamed common case)
 _OK_WIRE = Status.OK.wire
 
 
