@@ -23,10 +23,12 @@ Memory that no process holds is no sample's to pay for (:meth:`Guard._unheld`): 
 over a Unix socket, then closed; what gVisor keeps in Unix sockets sent over themselves), and under cgroup v1 kernel
 memory grown since the sandbox was calm past what processes' page tables and sockets account for (the dentries of
 missing paths a sample looked up by the million, which the kernel frees only at the limit; pipes). A sample is
-killed only when what processes hold takes the use past the mark on its own; up to half the margin, what no
-process holds only moves the mark toward the limit (red teams: a sample that left 30 MiB of dentries got one of
-two innocents killed in every later batch, when it only lowered the mark). Past half the margin the supervisor ends
-instead: the server reports NOT_SERVING, and the host starts the sandbox afresh, which frees it. The same happens
+killed only when what processes hold takes the use past the mark on its own. What no process held in calm times
+already (what finished samples left) only moves the mark toward the limit, up to half the margin (red teams: a
+sample that left 30 MiB of dentries got one of two innocents killed in every later batch, when it only lowered the
+mark); what appears while samples run is no room for anyone. Past half the margin, or when what appeared since calm
+times takes the use past the mark on its own (MIN_MARGIN_BYTES or more), the supervisor ends instead: the server
+reports NOT_SERVING, and the host starts the sandbox afresh, which frees it. The same happens
 once slot tmpfs that gVisor could not free (:func:`.private_tmp.renew`) hold a quarter of the limit.
 
 It polls: one read of one file (gVisor: a few, kept open) while there is room, more often the closer the mark is
