@@ -359,8 +359,8 @@ class Guard:
     def check(self) -> Optional[int]:
         """Reads the usage; past the mark, kills the slot that holds the most, when what processes hold takes the use
         past it on its own (unless one is being killed, or the last one's memory may still be coming back). Returns
-        the slot uid it started killing, RESTART when what no process holds is half the margin or more (the sandbox
-        must start afresh), or None."""
+        the slot uid it started killing, RESTART when what no process holds is half the margin or more, or appeared
+        since calm times and takes the use past the mark on its own (the sandbox must start afresh), or None."""
         now = self.clock()
         try:
             pressure = self.usage.pressure()
