@@ -23,7 +23,7 @@ import stat
 from dataclasses import dataclass
 from typing import Optional
 
-from . import memory_guard, private_tmp, template
+from . import memory_guard, memory_use, private_tmp, template
 from .channel import ChannelClosed, pair, recv, send
 from .records import WorkerConfig
 from .processes import exited_children, fork_child, set_name, sigchld_wakeup
@@ -105,7 +105,7 @@ class Supervisor:
         self.private_tmp = pool.private_tmp
         self.held: dict[int, list] = {}  # template pid -> its slots
         self.selector = selectors.DefaultSelector()
-        usage = memory_guard.find_usage() if pool.uids else None
+        usage = memory_use.find_usage() if pool.uids else None
         # A slot's files count toward it where each slot has a tmpfs of its own (not a pod's one shared directory).
         slots = self.free if not pool.root else [(uid, "", run_uid, "") for uid, _, run_uid, _ in self.free]
         self.guard = memory_guard.Guard(

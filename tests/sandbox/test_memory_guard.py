@@ -10,12 +10,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from rewardbox.sandbox import memory_guard
-from rewardbox.sandbox.memory_guard import Guard, Usage, find_usage, held
+from rewardbox.sandbox import memory_guard, memory_use
+from rewardbox.sandbox.memory_guard import Guard
+from rewardbox.sandbox.memory_use import Usage, find_usage, held
 
 MIB = 1 << 20
 SLOT, RUN, OTHER_SLOT, OTHER_RUN = 100001, 200001, 100002, 200002
-SOCKET = memory_guard.SOCKET_BYTES
+SOCKET = memory_use.SOCKET_BYTES
 
 
 def status(uid: int, rss_anon_kb: int = 0, shmem_kb: int = 0, pte_kb: int = 0, fds: int = 64,
@@ -127,10 +128,10 @@ def test_without_cgroup_files_meminfo_and_the_sockets_count(tmp_path, monkeypatc
     unix = tmp_path / "unix"
     unix.write_text("Num RefCount Protocol Flags Type St Inode Path\n" + "0000: 00000002 0 0 1 03 1\n" * 10)
     usage = Usage(1 << 30, socket_tables=(str(unix), str(tmp_path / "absent")))
-    monkeypatch.setattr(memory_guard, "MEMINFO", str(meminfo))
-    assert usage.pressure() == usage.exact() == (512 << 20) + 10 * memory_guard.SOCKET_BYTES
+    monkeypatch.setattr(memory_use, "MEMINFO", str(meminfo))
+    assert usage.pressure() == usage.exact() == (512 << 20) + 10 * memory_use.SOCKET_BYTES
     assert usage.mark == (1 << 30) - (1 << 30) // 4
-    assert usage.longest_sleep < memory_guard.MAX_INTERVAL_S  # gVisor's memory grows ahead of what it shows
+    assert usage.longest_sleep < memory_use.MAX_INTERVAL_S  # gVisor's memory grows ahead of what it shows
 
 
 @dataclass
@@ -145,7 +146,7 @@ class FakeUsage:
     kernel_path: str = ""
     socket_tables: tuple = ()
     reads: list = field(default_factory=list)
-    longest_sleep: float = memory_guard.MAX_INTERVAL_S
+    longest_sleep: float = memory_use.MAX_INTERVAL_S
 
     @property
     def mark(self) -> int:
@@ -205,10 +206,10 @@ def test_below_the_mark_it_reads_one_figure_and_kills_nobody_and_sleeps_longer_t
     assert guard.check() is None and usage.reads == ["pressure", "exact"] and not killed  # "exact": calibrating
     clock.t += 1.0
     assert guard.check() is None and usage.reads[2:] == ["pressure"]  # calibrated every CALIBRATE_S only
-    assert guard.timeout() == pytest.approx(memory_guard.MAX_INTERVAL_S)
+    assert guard.timeout() == pytest.approx(memory_use.MAX_INTERVAL_S)
     usage.now = usage.mark - (50 << 20)  # the cheap figure passes the mark: the exact one says there is room
     assert guard.check() is None and usage.reads[-2:] == ["pressure", "exact"]
-    assert memory_guard.MIN_INTERVAL_S <= guard.timeout() < memory_guard.MAX_INTERVAL_S
+    assert memory_guard.MIN_INTERVAL_S <= guard.timeout() < memory_use.MAX_INTERVAL_S
 
 
 def test_past_the_mark_the_slot_holding_most_together_is_stopped_then_killed_with_its_programs():
@@ -247,7 +248,7 @@ def test_a_usage_that_cannot_be_read_kills_nobody():
             raise OSError("gone")
 
     guard, stopped, killed, clock = _guard(Broken(), [(1, status(SLOT, rss_anon_kb=1 << 20))])
-    assert guard.check() is None and not killed and guard.timeout() == pytest.approx(memory_guard.MAX_INTERVAL_S)
+    assert guard.check() is None and not killed and guard.timeout() == pytest.approx(memory_use.MAX_INTERVAL_S)
 
 
 def test_the_mark_is_never_closer_to_the_limit_than_32_mib():
@@ -274,7 +275,7 @@ def test_memory_no_process_held_in_calm_times_moves_the_mark_and_half_the_margin
     assert guard.check() is None and not killed  # 870 MiB held, 40 MiB not: under the mark moved by 40 MiB
     statuses[1] = (2, status(OTHER_SLOT, rss_anon_kb=800 << 10))  # what processes hold passes the mark: 900 MiB
     usage.now = (900 + 40) << 20
-    clock.t += memory_guard.MAX_INTERVAL_S
+    clock.t += memory_use.MAX_INTERVAL_S
     assert guard.check() == OTHER_SLOT
     usage, statuses = FakeUsage(now=900 << 20), statuses[:1] + [(2, status(OTHER_SLOT, rss_anon_kb=700 << 10))]
     guard, stopped, killed, clock = _guard(usage, statuses)  # 100 MiB held by nobody: over half the 128 MiB margin
@@ -309,7 +310,7 @@ def test_what_the_mark_moved_by_is_read_again_and_growth_past_the_moved_mark_kil
     assert guard.check() is None
     assert guard.check() is None and usage.reads[-1] == "exact"  # past the mark: exact, no /proc until the pass ends
     statuses[1] = (2, status(OTHER_SLOT, rss_anon_kb=800 << 10))  # the 50 MiB no one held are a process's now
-    clock.t += memory_guard.MAX_INTERVAL_S
+    clock.t += memory_use.MAX_INTERVAL_S
     assert guard.check() == OTHER_SLOT  # read again: what processes hold is past the mark on its own
 
 
