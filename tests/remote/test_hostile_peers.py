@@ -267,8 +267,10 @@ def test_without_a_client_certificate_a_peer_never_reaches_http2(serve, certs):
         for t in flooders:
             t.start()
         try:
-            deadline = time.monotonic() + 8
-            while time.monotonic() < deadline:
+            # 8 s, and more where a slow machine made fewer than 51 flood connections by then (a fresh-clone run
+            # made 48): the checks below are about a flood, however long it takes to make one
+            deadline, give_up = time.monotonic() + 8, time.monotonic() + 60
+            while time.monotonic() < deadline or (len(answers) <= 50 and time.monotonic() < give_up):
                 started = time.monotonic()
                 reply = _raw(channel, SCORE)(request, timeout=30, metadata=good)
                 latencies.append(time.monotonic() - started)
