@@ -193,10 +193,21 @@ class Guard:
             # sandbox.
             unheld = 0
         else:
+            # The use is read just before and just after what processes hold: while a hog fills socket buffers,
+            # kernel memory grew 35 MiB between the guard's sock_diag read and its kernel memory read, was taken for
+            # memory no process holds, and the sandbox restarted instead of the hog dying (fresh-clone CI run).
+            # Of the two readings the one that finds less held by no process counts: memory that came or went
+            # during the scan is never taken for it.
             started = time.monotonic()
-            found = self._held()
+            try:
+                before = self.usage.exact(), self.usage.kernel()
+                found = self._held()
+                after = self.usage.exact(), self.usage.kernel()
+            except (OSError, ValueError, KeyError):
+                self.next_check = now + MAX_INTERVAL_S
+                return None
             self.scan_s = time.monotonic() - started
-            unheld = None
+            unheld = min(self._unheld(use, found, kernel) for use, kernel in (before, after))
         totals = found.totals
         if now < self.settle_until and totals.get(self.last_killed, (0,))[0] <= self.last_held:
             # The slot just killed has a fresh process by now: what is counted for it, no more than its old one
@@ -204,7 +215,6 @@ class Guard:
             totals.pop(self.last_killed, None)
         slot, (most, pids, monitors) = max(totals.items(), key=lambda item: item[1][0]) if totals \
             else (None, (0, [], []))
-        unheld = self._unheld(pressure, found) if unheld is None else unheld
         # What no process held in calm times already (what finished samples left: dentries, sockets in flight) moves
         # the mark; what appeared since may be a running sample's doing, which it must not buy room with: empty
         # sockets (kernel memory no queue shows) moved the mark 41 MiB, 32 forks filled it at once, and the
@@ -286,7 +296,7 @@ class Guard:
         self.offset = min(0, max(self.readings))
         self.calm_unheld = self._unheld(exact, found)
 
-    def _unheld(self, use: int, found: Held) -> int:
+    def _unheld(self, use: int, found: Held, kernel: Optional[int] = None) -> int:
         """Bytes of ``use`` that no process nor any slot's files hold: what the processes' figures do not add up to,
         less what they usually count twice (:meth:`_calibrate`), and sockets in flight (gVisor). Under cgroup v1,
         kernel memory apart: the processes' own memory is weighed against the rest of the use, and the kernel memory
@@ -295,7 +305,7 @@ class Guard:
         as the figures' usual excess, a sample's dentries got innocents killed near the mark (red team, runc)."""
         if not self.usage.kernel_path:
             return max(0, use - found.in_flight - found.everyone - self.offset) + found.in_flight
-        kernel = self.usage.kernel()
+        kernel = self.usage.kernel() if kernel is None else kernel
         other = kernel - found.page_tables - found.sockets
         floor = other if self.kernel_floor is None else self.kernel_floor
         return max(0, use - kernel - found.own - self.offset) + max(0, other - floor)

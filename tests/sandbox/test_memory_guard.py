@@ -459,6 +459,30 @@ def test_what_a_hogs_sockets_queue_is_its_own_and_kills_it():
     assert guard.check() == SLOT and killed == [((SLOT, RUN), True)]
 
 
+def test_kernel_memory_a_hog_adds_while_the_guard_reads_its_sockets_is_not_taken_for_memory_no_process_holds():
+    # cgroup v1: 15 forks filling socket buffers grew kernel memory 35 MiB between the guard's sock_diag read and
+    # its kernel memory read; taken for memory no process holds, it restarted the sandbox (both samples
+    # UNAVAILABLE, twice: a fresh-clone CI run) instead of killing the hog.
+    statuses = [(1, status(0, rss_anon_kb=100 << 10)), (2, status(OTHER_SLOT, rss_anon_kb=300 << 10))]
+    statuses += [(10 + k, status(SLOT, rss_anon_kb=1 << 10)) for k in range(8)]
+    sockets = {0: 1 << 20}
+    usage = FakeUsage(now=420 << 20, kernel_now=20 << 20, **V1)
+    guard, stopped, killed, clock = _guard(usage, statuses, sockets=sockets)
+    assert guard.check() is None  # calm
+
+    def filling():  # what sock_diag says, then the hog's sockets fill on
+        said = dict(sockets)
+        usage.now, usage.kernel_now, sockets[SLOT] = usage.now + (40 << 20), usage.kernel_now + (40 << 20), \
+            sockets[SLOT] + (40 << 20)
+        return said
+
+    guard.socket_bytes = filling
+    sockets[SLOT] = 470 << 20
+    usage.now, usage.kernel_now = 900 << 20, 490 << 20  # just past the mark (896 MiB)
+    clock.t += 1.0
+    assert guard.check() == SLOT and killed == [((SLOT, RUN), True)]
+
+
 def test_gvisor_sockets_in_flight_move_the_mark_and_those_a_hog_holds_are_its_own():
     # 500 socket pairs sent over themselves (no process holds them) counted 245 MiB of use, and the guard killed a
     # 340 MiB innocent (red team)
