@@ -196,8 +196,10 @@ class Guard:
             # The use is read just before and just after what processes hold: while a hog fills socket buffers,
             # kernel memory grew 35 MiB between the guard's sock_diag read and its kernel memory read, was taken for
             # memory no process holds, and the sandbox restarted instead of the hog dying (fresh-clone CI run).
-            # Of the two readings the one that finds less held by no process counts: memory that came or went
-            # during the scan is never taken for it.
+            # Of the two readings the one that finds less held by no process counts, with its own use: memory that
+            # came or went during the scan is never taken for it, and what a sample fills and drains (pipes) is never
+            # seen full in one reading and missing from what no process holds in the other (an innocent, the
+            # largest holder, was killed so in a unit test's staging).
             started = time.monotonic()
             try:
                 before = self.usage.exact(), self.usage.kernel()
@@ -207,7 +209,7 @@ class Guard:
                 self.next_check = now + MAX_INTERVAL_S
                 return None
             self.scan_s = time.monotonic() - started
-            unheld = min(self._unheld(use, found, kernel) for use, kernel in (before, after))
+            unheld, pressure = min((self._unheld(use, found, kernel), use) for use, kernel in (before, after))
         totals = found.totals
         if now < self.settle_until and totals.get(self.last_killed, (0,))[0] <= self.last_held:
             # The slot just killed has a fresh process by now: what is counted for it, no more than its old one

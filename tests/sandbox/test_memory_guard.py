@@ -483,6 +483,34 @@ def test_kernel_memory_a_hog_adds_while_the_guard_reads_its_sockets_is_not_taken
     assert guard.check() == SLOT and killed == [((SLOT, RUN), True)]
 
 
+def test_kernel_memory_that_swings_between_the_guards_reads_gets_no_innocent_killed():
+    # cgroup v1: a sample fills and drains 250 MiB of pipes (kernel memory no process's figures show). The guard's
+    # first read caught them full (past the mark), its read before the processes' figures caught them empty, its
+    # read after full again. Weighing the first read's use against the empty read's "held by no process" made the
+    # pipes look like processes' memory, and the largest holder, an innocent, was killed. Each reading's use goes
+    # with its own finding; here the pipes are seen for what they are on the next check, and the sandbox restarts.
+    statuses = [(1, status(0, rss_anon_kb=100 << 10)), (2, status(OTHER_SLOT, rss_anon_kb=290 << 10)),
+                (3, status(SLOT, rss_anon_kb=10 << 10))]
+    usage = FakeUsage(now=420 << 20, kernel_now=20 << 20, **V1)
+    guard, stopped, killed, clock = _guard(usage, statuses)
+    assert guard.check() is None  # calm
+    statuses[1] = (2, status(OTHER_SLOT, rss_anon_kb=600 << 10))  # the innocent, within its share
+    full, empty = (980 << 20, 270 << 20), (730 << 20, 20 << 20)  # 710 MiB of processes, 20 of the kernel's
+    phases = [full, empty, full]  # the first read, the one before the processes' figures, the one after
+    exact = usage.exact
+
+    def swinging() -> int:
+        usage.now, usage.kernel_now = phases.pop(0) if phases else full
+        return exact()
+
+    usage.exact = swinging
+    usage.now, usage.kernel_now = full
+    clock.t += 1.0
+    assert guard.check() is None and not killed and not stopped
+    clock.t += 1.0
+    assert guard.check() == memory_guard.RESTART and not killed
+
+
 def test_gvisor_sockets_in_flight_move_the_mark_and_those_a_hog_holds_are_its_own():
     # 500 socket pairs sent over themselves (no process holds them) counted 245 MiB of use, and the guard killed a
     # 340 MiB innocent (red team)
