@@ -57,6 +57,9 @@ class Usage:
     # socket pairs took 53 MB of the host's memory and nothing there). Each socket these files list counts as
     # SOCKET_BYTES: a sandbox has a few dozen; a sample that fills thousands is seen.
     socket_tables: tuple = ()
+    # Where the kernel counts the processes its OOM killer killed here (the ``oom_kill`` field): cgroup v1's
+    # memory.oom_control, v2's memory.events; gVisor has neither (there the host's OOM killer takes the sandbox).
+    events_path: str = ""
 
     @property
     def longest_sleep(self) -> float:
@@ -79,6 +82,12 @@ class Usage:
     def kernel(self) -> int:
         """The kernel memory in the use, where it shows apart (cgroup v1; 0 elsewhere): see :meth:`Guard._unheld`."""
         return _read_int(self.kernel_path) if self.kernel_path else 0
+
+    def oom_kills(self) -> Optional[int]:
+        """How many processes the kernel's OOM killer killed in this sandbox so far (None: it does not say)."""
+        if not self.events_path:
+            return None
+        return _fields(self.events_path, separator=" ").get("oom_kill")
 
     def exact(self) -> int:
         if not self.usage_path:
@@ -142,13 +151,13 @@ def find_usage(root: str = "/sys/fs/cgroup") -> Optional[Usage]:
     candidates = (
         (os.path.join(v1, "memory.limit_in_bytes"), os.path.join(v1, "memory.usage_in_bytes"),
          os.path.join(v1, "memory.stat"), ("total_active_file", "total_inactive_file"),
-         kmem if os.path.exists(kmem) else ""),
+         kmem if os.path.exists(kmem) else "", os.path.join(v1, "memory.oom_control")),
         # slab_reclaimable: dentries and inodes, which the kernel frees before it kills (a sample that looked up
         # millions of missing paths filled most of the limit with them; red team)
         (os.path.join(root, "memory.max"), os.path.join(root, "memory.current"), os.path.join(root, "memory.stat"),
-         ("active_file", "inactive_file", "slab_reclaimable"), ""),
+         ("active_file", "inactive_file", "slab_reclaimable"), "", os.path.join(root, "memory.events")),
     )
-    for limit_path, usage_path, stat_path, keys, kernel_path in candidates:
+    for limit_path, usage_path, stat_path, keys, kernel_path, events_path in candidates:
         try:
             with open(limit_path, "rb") as f:
                 text = f.read().strip()
@@ -157,7 +166,9 @@ def find_usage(root: str = "/sys/fs/cgroup") -> Optional[Usage]:
             _fields(stat_path, separator=" ")
         except (OSError, ValueError):
             continue
-        return Usage(limit, usage_path, stat_path, keys, kernel_path) if limit < UNLIMITED else None
+        events = events_path if os.path.exists(events_path) else ""
+        return Usage(limit, usage_path, stat_path, keys, kernel_path, events_path=events) if limit < UNLIMITED \
+            else None
     try:
         return Usage(_fields(MEMINFO)["MemTotal"] * 1024, socket_tables=SOCKET_TABLES)
     except (OSError, KeyError, ValueError):

@@ -12,6 +12,8 @@ the template, one that dies without answering is ``crash`` with the exit status 
   one sample per request, so only the guilty sample gets ``crash`` or ``timeout``.
 - Batch style, either way: a call that crashed or hung is re-run one sample at a time to find the guilty samples;
   the innocent ones are then scored together, as one batch, without them.
+- A sample (streamed: sample or process isolation) whose process died while the kernel's OOM killer acted in the
+  sandbox is scored once more, after the call's other samples (:func:`oom_kills`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from ..wire import HARD_TIMEOUT_MARGIN_S, Outcome, Status, TrainerState
-from . import codec, reuse
+from . import codec, memory_use, reuse
 from .channel import ChannelClosed, recv, send
 from .records import BatchResult, ChunkResult, FunctionInfo, SampleBatch, WorkerConfig
 
@@ -59,6 +61,39 @@ def _hung_or_crashed(done: Optional[ChunkResult], failed: Optional[Outcome]):
 MAX_CHUNK = 4096  # samples in one streamed request
 # isolation: sample: after a sample tainted its process, this many samples of the reward run forked (:mod:`.forked`)
 FORKED_SAMPLES = 256
+OOM_TWICE = ("the kernel's OOM killer acted in this sandbox while it ran, in both of its attempts: the sandbox's "
+             "memory ran out (this sample's processes, or other samples' beside it, filled it faster than the memory "
+             "guard reads); raise `memory:` or lower `workers:` of the reward")
+
+
+def _crashed(outcome) -> bool:
+    """Whether a unit's outcome (a one-sample ChunkResult, or an Outcome) is a crash."""
+    if isinstance(outcome, ChunkResult):
+        return outcome.statuses[:1] == [Status.CRASH]
+    return outcome.status is Status.CRASH
+
+
+def _error(outcome) -> str:
+    return (outcome.errors[0] if isinstance(outcome, ChunkResult) else outcome.error) or "crash"
+
+
+_USAGE: list = []  # the sandbox's memory cgroup (memory_use.find_usage), found once
+
+
+def oom_kills() -> Optional[int]:
+    """How many processes the kernel's OOM killer killed in this sandbox so far (None: it does not say: gVisor,
+    where the host's OOM killer takes the whole sandbox and the host scores its samples again, or no limit).
+
+    The memory guard kills the sample whose processes hold the most before the limit, but a burst can outrun its
+    reads; the kernel then kills the largest process, which may be an innocent beside a sample that spread its
+    memory over many small forks (red team: 32 forks of 20 MiB at once beside a 380 MiB sample, 1 batch of 6). A
+    sample whose process died while the kernel's OOM killer acted is scored again, once, after the call's others."""
+    if not _USAGE:
+        _USAGE.append(memory_use.find_usage())
+    try:
+        return _USAGE[0].oom_kills() if _USAGE[0] is not None else None
+    except (OSError, ValueError):
+        return None
 
 
 class _Ended(Exception):
@@ -272,6 +307,19 @@ class FunctionPool:
         pending = collections.deque(range(len(batch)))
         replaced = 0
         idle = min(self._runners, len(batch))  # this call's request loops not waiting on a request
+        # Samples whose process died while the kernel's OOM killer acted here, to be scored again once the call's
+        # others are done (see oom_kills); and those scored again so.
+        victims: list = []
+        again: set = set()
+
+        def settle(i: int, outcome, oom: bool) -> None:
+            if oom and _crashed(outcome):
+                if i not in again:
+                    victims.append(i)
+                    again.add(i)
+                    return
+                outcome = Outcome.failed(Status.CRASH, f"{_error(outcome)}; {OOM_TWICE}")
+            outcomes[i] = outcome
 
         async def run_requests() -> None:
             nonlocal replaced, idle
@@ -279,15 +327,17 @@ class FunctionPool:
                 size = self._chunk_size(len(pending), idle)
                 taken = [pending.popleft() for _ in range(min(size, len(pending)))]
                 idle -= 1
+                kills = oom_kills()
                 try:
                     streamed = await self._request_streamed(batch.take(taken), timeout_s, state)
                 finally:
                     idle += 1
+                oom = kills is not None and oom_kills() != kills  # the kernel killed a process while it ran
                 for k, answer in enumerate(streamed.answered):
-                    outcomes[taken[k]] = answer
+                    settle(taken[k], answer, oom)
                 settled = len(streamed.answered)
                 if streamed.failed is not None:
-                    outcomes[taken[settled]] = streamed.failed
+                    settle(taken[settled], streamed.failed, oom)
                     settled += 1
                     replaced += 1
                 pending.extendleft(reversed(taken[settled:]))
@@ -297,7 +347,12 @@ class FunctionPool:
                 self._chunk_cap = 1 if (streamed.retired and not self._forking()) or streamed.unattributed or \
                     self.config.isolation == "process" else min(MAX_CHUNK, self._chunk_cap * 2)
 
-        while pending:
+        while pending or victims:
+            if not pending:
+                log.info("reward %s: %d sample(s) whose process died while the kernel's OOM killer acted in this "
+                         "sandbox are scored again, in fresh processes", self.name, len(victims))
+                pending.extend(victims)
+                victims.clear()
             idle = min(self._runners, len(pending))
             await asyncio.gather(*(run_requests() for _ in range(idle)))
         result = BatchResult(workers_replaced=replaced)

@@ -8,13 +8,15 @@ Each test asserts the innocent samples' exact values and statuses, not only the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import textwrap
 import time
 
+import docker
 import pytest
 
 from rewardbox import build_samples
-from rewardbox.sandbox import memory_guard
+from rewardbox.sandbox import memory_guard, pools
 from rewardbox.wire import Status
 from tests.docker.conftest import sandboxes_on_runtime
 
@@ -311,6 +313,80 @@ def test_a_sample_that_spreads_its_memory_over_its_forks_dies_near_the_limit_not
         score = 9.0
     """)
     _hog_beside_a_holder(sandboxes, hog)
+
+
+STOP_GUARD = textwrap.dedent("""
+    import os, signal, sys
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and open(f"/proc/{pid}/comm").read().strip() == "rbx-supervisor":
+                os.kill(int(pid), getattr(signal, sys.argv[1]))
+                print(pid)
+        except OSError:
+            pass
+""")
+def _spread_hog(forks: int, mib: int) -> str:
+    """A sample whose ``forks`` forks take ``mib`` MiB each, a MiB every 20 ms, and hold it for 4 s."""
+    return textwrap.dedent(f"""
+        import os, time
+        for _ in range({forks}):
+            if os.fork() == 0:
+                y = [bytearray(1 << 20) for _ in range({mib}) if not time.sleep(0.02)]
+                for b in y:
+                    for i in range(0, len(b), 4096):
+                        b[i] = 1
+                time.sleep(30)
+                os._exit(0)
+        time.sleep(4)
+        score = 9.0
+    """)
+
+
+def test_an_innocent_the_kernels_oom_killer_took_for_a_sample_that_spread_its_memory_is_scored_again(sandboxes):
+    # The memory guard kills the sample whose processes hold the most before the limit, but a burst can outrun its
+    # reads: the kernel's OOM killer then kills the largest process, an innocent beside a sample that spread its
+    # memory over small forks (red team: 32 forks filling 20 MiB each at once beside a 380 MiB sample, 1 batch in
+    # 6). Stopping the guard (SIGSTOP to its process) stages that race every time. Under runc the innocent's process
+    # died while the kernel's OOM counter moved: it is scored again after the call's other samples (without that, it
+    # ends `crash`). Under gVisor the host's OOM killer takes the whole sandbox; the host replaces it and scores both
+    # again, where the guard (not stopped there) kills the hog.
+    container = sandboxes.replicas["run"][0].sandbox.container
+    innocent = "import time\ntime.sleep(1.5)\nx = b'\\x01' * (350 << 20)\nscore = 1.0"
+    code, out = container.exec_run(["python3", "-c", STOP_GUARD, "SIGSTOP"], user="0")
+    assert code == 0 and out.strip(), out
+    try:
+        # 600 MiB either way, each fork smaller than the innocent (gVisor: 16 processes a sample)
+        hog = _spread_hog(30, 20) if sandboxes.runtime == "runc" else _spread_hog(12, 50)
+        report = score(sandboxes, "run", [hog, innocent])
+    finally:
+        with contextlib.suppress(docker.errors.NotFound):  # gVisor: that sandbox is gone
+            container.exec_run(["python3", "-c", STOP_GUARD, "SIGCONT"], user="0")
+    assert (report.values[1], report.statuses[1], report.errors[1]) == (1.0, Status.OK, None), \
+        (report.values, report.statuses, report.errors)
+    if sandboxes.runtime == "runc":
+        assert (report.values[0], report.statuses[0]) == (9.0, Status.OK), (report.statuses, report.errors)
+    else:
+        assert report.statuses[0] is Status.CRASH, (report.statuses, report.errors)
+
+
+def test_a_sample_the_kernels_oom_killer_kills_twice_says_so_and_is_not_tried_a_third_time(sandboxes):
+    # A sample that fills the sandbox on its own, the guard stopped: the kernel kills it, it is scored again (as an
+    # innocent would be), killed again, and then ends `crash`, saying what happened and what to change.
+    container = sandboxes.replicas["run"][0].sandbox.container
+    code, out = container.exec_run(["python3", "-c", STOP_GUARD, "SIGSTOP"], user="0")
+    assert code == 0 and out.strip(), out
+    try:
+        overfill = "x = [b'\\x01' * (10 << 20) for _ in range(100)]\nscore = 1.0"  # 1,000 MiB of the 1 GiB
+        report = score(sandboxes, "run", [overfill, "score = 0.5"])
+    finally:
+        with contextlib.suppress(docker.errors.NotFound):  # gVisor: that sandbox is gone
+            container.exec_run(["python3", "-c", STOP_GUARD, "SIGCONT"], user="0")
+    assert report.values == [-5.0, 0.5] and report.statuses[1] is Status.OK, report.errors
+    if sandboxes.runtime == "runc":
+        assert report.statuses[0] is Status.CRASH, report.errors
+        assert "killed by SIGKILL" in report.errors[0] and pools.OOM_TWICE in report.errors[0], report.errors[0]
+    else:  # gVisor refuses the allocation (or the host's OOM killer takes the sandbox, which is replaced)
+        assert report.statuses[0] is Status.CRASH or "MemoryError" in report.errors[0], report.errors
 
 
 def test_a_sample_that_fills_socket_buffers_from_many_forks_dies_near_the_limit_not_an_innocent(sandboxes):

@@ -114,6 +114,22 @@ def test_cgroup_v2_usage_less_the_file_cache_and_the_slab_the_kernel_can_reclaim
     assert usage.limit == 2 << 30 and usage.exact() == (1 << 30) - (503 << 20) and usage.kernel() == 0
 
 
+def test_how_many_processes_the_kernels_oom_killer_killed_v1_v2_and_none_without_a_cgroup(tmp_path):
+    v1, v2 = tmp_path / "v1", tmp_path / "v2"
+    _write(v1 / "memory/memory.limit_in_bytes", f"{1 << 30}\n")
+    _write(v1 / "memory/memory.usage_in_bytes", "1\n")
+    _write(v1 / "memory/memory.stat", "cache 1\n")
+    assert find_usage(str(v1)).oom_kills() is None  # a kernel that does not count them
+    _write(v1 / "memory/memory.oom_control", "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n")
+    assert find_usage(str(v1)).oom_kills() == 3
+    _write(v2 / "memory.max", f"{1 << 30}\n")
+    _write(v2 / "memory.current", "1\n")
+    _write(v2 / "memory.stat", "anon 1\n")
+    _write(v2 / "memory.events", "low 0\nhigh 0\nmax 9\noom 2\noom_kill 1\noom_group_kill 0\n")
+    assert find_usage(str(v2)).oom_kills() == 1
+    assert Usage(1 << 30, socket_tables=()).oom_kills() is None  # gVisor: /proc/meminfo only
+
+
 @pytest.mark.parametrize("limit", ["max\n", f"{1 << 62}\n"])
 def test_no_guard_where_the_cgroup_sets_no_limit(tmp_path, limit):
     _write(tmp_path / "memory.max", limit)
