@@ -325,6 +325,22 @@ STOP_GUARD = textwrap.dedent("""
         except OSError:
             pass
 """)
+
+
+@contextlib.contextmanager
+def _guard_stopped(sandboxes):
+    """The memory guard of reward ``run``'s sandbox stopped (SIGSTOP to its process) while the block runs: a burst
+    that outruns its reads, every time."""
+    container = sandboxes.replicas["run"][0].sandbox.container
+    code, out = container.exec_run(["python3", "-c", STOP_GUARD, "SIGSTOP"], user="0")
+    assert code == 0 and out.strip(), out
+    try:
+        yield
+    finally:
+        with contextlib.suppress(docker.errors.NotFound):  # gVisor: the host's OOM killer took that sandbox
+            container.exec_run(["python3", "-c", STOP_GUARD, "SIGCONT"], user="0")
+
+
 def _spread_hog(forks: int, mib: int) -> str:
     """A sample whose ``forks`` forks take ``mib`` MiB each, a MiB every 20 ms, and hold it for 4 s."""
     return textwrap.dedent(f"""
@@ -350,17 +366,11 @@ def test_an_innocent_the_kernels_oom_killer_took_for_a_sample_that_spread_its_me
     # died while the kernel's OOM counter moved: it is scored again after the call's other samples (without that, it
     # ends `crash`). Under gVisor the host's OOM killer takes the whole sandbox; the host replaces it and scores both
     # again, where the guard (not stopped there) kills the hog.
-    container = sandboxes.replicas["run"][0].sandbox.container
     innocent = "import time\ntime.sleep(1.5)\nx = b'\\x01' * (350 << 20)\nscore = 1.0"
-    code, out = container.exec_run(["python3", "-c", STOP_GUARD, "SIGSTOP"], user="0")
-    assert code == 0 and out.strip(), out
-    try:
-        # 600 MiB either way, each fork smaller than the innocent (gVisor: 16 processes a sample)
-        hog = _spread_hog(30, 20) if sandboxes.runtime == "runc" else _spread_hog(12, 50)
+    # 600 MiB either way, each fork smaller than the innocent (gVisor: 16 processes a sample)
+    hog = _spread_hog(30, 20) if sandboxes.runtime == "runc" else _spread_hog(12, 50)
+    with _guard_stopped(sandboxes):
         report = score(sandboxes, "run", [hog, innocent])
-    finally:
-        with contextlib.suppress(docker.errors.NotFound):  # gVisor: that sandbox is gone
-            container.exec_run(["python3", "-c", STOP_GUARD, "SIGCONT"], user="0")
     assert (report.values[1], report.statuses[1], report.errors[1]) == (1.0, Status.OK, None), \
         (report.values, report.statuses, report.errors)
     if sandboxes.runtime == "runc":
@@ -372,15 +382,9 @@ def test_an_innocent_the_kernels_oom_killer_took_for_a_sample_that_spread_its_me
 def test_a_sample_the_kernels_oom_killer_kills_twice_says_so_and_is_not_tried_a_third_time(sandboxes):
     # A sample that fills the sandbox on its own, the guard stopped: the kernel kills it, it is scored again (as an
     # innocent would be), killed again, and then ends `crash`, saying what happened and what to change.
-    container = sandboxes.replicas["run"][0].sandbox.container
-    code, out = container.exec_run(["python3", "-c", STOP_GUARD, "SIGSTOP"], user="0")
-    assert code == 0 and out.strip(), out
-    try:
-        overfill = "x = [b'\\x01' * (10 << 20) for _ in range(100)]\nscore = 1.0"  # 1,000 MiB of the 1 GiB
+    overfill = "x = [b'\\x01' * (10 << 20) for _ in range(100)]\nscore = 1.0"  # 1,000 MiB of the 1 GiB
+    with _guard_stopped(sandboxes):
         report = score(sandboxes, "run", [overfill, "score = 0.5"])
-    finally:
-        with contextlib.suppress(docker.errors.NotFound):  # gVisor: that sandbox is gone
-            container.exec_run(["python3", "-c", STOP_GUARD, "SIGCONT"], user="0")
     assert report.values == [-5.0, 0.5] and report.statuses[1] is Status.OK, report.errors
     if sandboxes.runtime == "runc":
         assert report.statuses[0] is Status.CRASH, report.errors
