@@ -187,7 +187,8 @@ class Held(NamedTuple):
 
 
 def held(groups: dict, statuses: Iterable[tuple[int, bytes]], socket_bytes: Optional[dict] = None,
-         sockets_of: Optional[Callable[[int], tuple]] = None, listed: Iterable[int] = ()) -> Held:
+         sockets_of: Optional[Callable[[int], tuple]] = None, listed: Iterable[int] = (),
+         dying: frozenset = frozenset()) -> Held:
     """:class:`Held` from ``(pid, /proc/<pid>/status)`` of the sandbox's processes (``groups`` maps each slot's uids
     to the slot): what each holds of its own (:func:`.processes.resident_kb`) and its page tables; pages a fork
     shares count in each process that maps them: more than the truth, never less. A program runner's monitor
@@ -198,7 +199,10 @@ def held(groups: dict, statuses: Iterable[tuple[int, bytes]], socket_bytes: Opti
     each descriptor of a process with many, :func:`.sockets.held_by`), and each other socket ``listed`` names, less
     those, is in flight (``in_flight``). Not the size of a process's descriptor table: a ``dup2`` to descriptor 511
     made it count for 120 MiB, which excused as much of what no process held and got an innocent killed (red
-    team)."""
+    team).
+
+    ``dying``: pids the guard just killed, whose memory counts for no slot (it is on its way back), while their
+    slot's new processes count as any others."""
     totals: dict = {}
     everyone = own = page_tables = socket_total = counted = 0
     seen: set = set()
@@ -232,7 +236,7 @@ def held(groups: dict, statuses: Iterable[tuple[int, bytes]], socket_bytes: Opti
         if monitor:
             uid = int(name[len(MONITOR_NAME):]) if name[len(MONITOR_NAME):].isdigit() else 0
         group = groups.get(uid)
-        if group is not None:
+        if group is not None and pid not in dying:
             add(group, resident + tables + held_sockets, pid, monitor)
     for uid, queued in (socket_bytes or {}).items():
         everyone += queued
