@@ -23,6 +23,7 @@ import collections
 import itertools
 import logging
 import socket
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -80,6 +81,45 @@ def _error(outcome) -> str:
 _USAGE: list = []  # the sandbox's memory cgroup (memory_use.find_usage), found once
 
 
+def _usage() -> Optional[memory_use.Usage]:
+    if not _USAGE:
+        _USAGE.append(memory_use.find_usage())
+    return _USAGE[0]
+
+
+# What the server keeps of one call's output and error texts (samples of isolation: sample and process are answered
+# one by one, each with up to max_log_bytes of output and 8 KiB of error): this share of the sandbox's memory (the
+# reply holds them twice more: each sample's, and all of them together). The server's memory is in no sample's
+# count: 2,600 samples printing 64 KiB each (one wide character makes a str four bytes a character) took the server
+# to 326 MiB, and the memory guard killed a 300 MiB innocent (red team).
+OUTPUT_BUDGET_FRACTION = 64
+MIN_OUTPUT_BUDGET = 4 << 20
+UNLIMITED_OUTPUT_BUDGET = 64 << 20  # where the sandbox has no memory limit
+KEPT_ERROR_CHARS = 1000  # of each error text once the budget is spent (its end: a traceback's last lines)
+
+
+def output_budget() -> int:
+    """Bytes of a call's output and error texts (as the server holds them) that the server keeps."""
+    usage = _usage()
+    if usage is None:
+        return UNLIMITED_OUTPUT_BUDGET
+    return max(MIN_OUTPUT_BUDGET, usage.limit // OUTPUT_BUDGET_FRACTION)
+
+
+def _text_bytes(answer: ChunkResult) -> int:
+    return sys.getsizeof(answer.logs) + sum(sys.getsizeof(e) for e in answer.errors if e)
+
+
+def _over_budget(answer: ChunkResult, budget: int) -> ChunkResult:
+    """``answer`` without its output, and with the end of its error texts only: the call's samples printed more
+    than the server keeps of one call."""
+    note = (f"[rewardbox dropped this sample's output ({len(answer.logs)} characters): the call's samples printed "
+            f"more than the {budget >> 20} MiB a sandbox keeps of one call]\n") if answer.logs else ""
+    errors = [e[-KEPT_ERROR_CHARS:] if e else e for e in answer.errors]
+    return ChunkResult(answer.values, answer.statuses, errors, note, answer.dropped + len(answer.logs),
+                       answer.seconds)
+
+
 def oom_kills() -> Optional[int]:
     """How many processes the kernel's OOM killer killed in this sandbox so far (None: it does not say: gVisor,
     where the host's OOM killer takes the whole sandbox and the host scores its samples again, or no limit).
@@ -88,10 +128,9 @@ def oom_kills() -> Optional[int]:
     reads; the kernel then kills the largest process, which may be an innocent beside a sample that spread its
     memory over many small forks (red team: 32 forks of 20 MiB at once beside a 380 MiB sample, 1 batch of 6). A
     sample whose process died while the kernel's OOM killer acted is scored again, once, after the call's others."""
-    if not _USAGE:
-        _USAGE.append(memory_use.find_usage())
+    usage = _usage()
     try:
-        return _USAGE[0].oom_kills() if _USAGE[0] is not None else None
+        return usage.oom_kills() if usage is not None else None
     except (OSError, ValueError):
         return None
 
@@ -311,14 +350,22 @@ class FunctionPool:
         # others are done (see oom_kills); and those scored again so.
         victims: list = []
         again: set = set()
+        budget, kept = output_budget(), 0  # see OUTPUT_BUDGET_FRACTION
 
         def settle(i: int, outcome, oom: bool) -> None:
+            nonlocal kept
             if oom and _crashed(outcome):
                 if i not in again:
                     victims.append(i)
                     again.add(i)
                     return
                 outcome = Outcome.failed(Status.CRASH, f"{_error(outcome)}; {OOM_TWICE}")
+            if isinstance(outcome, ChunkResult) and (outcome.logs or outcome.errors[0]):
+                size = _text_bytes(outcome)
+                if kept + size > budget:
+                    outcome = _over_budget(outcome, budget)
+                    size = _text_bytes(outcome)
+                kept += size
             outcomes[i] = outcome
 
         async def run_requests() -> None:

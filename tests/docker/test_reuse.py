@@ -393,6 +393,20 @@ def test_a_sample_the_kernels_oom_killer_kills_twice_says_so_and_is_not_tried_a_
         assert report.statuses[0] is Status.CRASH or "MemoryError" in report.errors[0], report.errors
 
 
+def test_what_the_server_keeps_of_a_calls_output_is_bounded_by_the_sandboxs_memory(sandboxes):
+    # The server's memory is in no sample's count: 2,600 samples printing 64 KiB each took it to 326 MiB, and the
+    # memory guard killed a 300 MiB innocent (red team, runc). A call's output and errors are kept up to a 64th of
+    # the sandbox's memory (16 MiB of this 1 GiB: about 250 samples' 64 KiB); later samples' output is a note.
+    chatty = "print('x' * 65000)\nscore = 1.0"
+    report = asyncio.run(sandboxes["run"].client.score(build_samples(["p"] * 600, [chatty] * 600, {}), details=True))
+    assert report.values == [1.0] * 600 and report.statuses == [Status.OK] * 600, report.errors[:3]
+    kept = [own for own in report.sample_logs if own == "x" * 65000 + "\n"]
+    noted = [own for own in report.sample_logs if own.startswith("[rewardbox dropped this sample's output (65001 "
+                                                                  "characters): the call's samples printed more "
+                                                                  "than the 16 MiB")]
+    assert 200 < len(kept) < 260 and len(kept) + len(noted) == 600, (len(kept), len(noted))
+
+
 def test_a_sample_that_fills_socket_buffers_from_many_forks_dies_near_the_limit_not_an_innocent(sandboxes):
     # Socket buffers are in no process's resident set, and the descriptor limit is per process: 15 forks filling
     # about 250 socket pairs each (about 55 MiB of kernel memory a fork) got the innocent killed (runc; red team).
