@@ -31,7 +31,7 @@ log = logging.getLogger("rewardbox")
 
 _OK, _INVALID = Status.OK, Status.INVALID  # enum attribute lookups cost more than the rest of a sample's check
 _OK_WIRE, _UNAVAILABLE_WIRE = Status.OK.wire, Status.UNAVAILABLE.wire
-SPLIT = 4  # parts a retry of a sample-style share is sent in
+SPLIT = 4  # each retry of a sample-style share sends its unscored samples in this many times more parts
 # CANCELLED reaches the client only when the server ended the call (an overloaded service sheds it): our own
 # cancellations end the coroutine instead.
 TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -190,9 +190,12 @@ class RewardClient:
                         len(share.indices) - len(share.outcomes), self.reward.default_score, share.last_error)
 
     async def _attempt(self, first: int, share: _Share, trainer_state: Optional[pb.TrainerState]) -> None:
-        """One attempt at the share's unscored samples. A retry of a sample-style share sends them in up to
-        SPLIT parts to different replicas, so a sample that keeps taking its sandbox down ends up alone: with the
-        default three retries, one sample among 64 is isolated and the other 63 keep their scores.
+        """One attempt at the share's unscored samples. Each retry of a sample-style share sends them in SPLIT times
+        more parts than the last (4, 16, 64), over the replicas, so that samples that keep taking their sandbox down
+        end up alone: with the default three retries, any four among 16 samples, or one among 64, and the others keep
+        their scores. Parts on the same replica go one after another: a sandbox that restarts ends every request in
+        flight there, and would take the other parts with it. (Four such samples spread through 16 used to end all
+        16 UNAVAILABLE: the same four parts each attempt; red team.)
 
         Raises:
             TransientSandboxError: some part failed in a way a retry may fix (the parts that scored keep it).
@@ -200,18 +203,29 @@ class RewardClient:
         todo = [(i, s) for i, s in zip(share.indices, share.samples) if i not in share.outcomes]
         if not todo:
             return
-        retry = share.attempts > 1
-        k = 1 if self.reward.style == "batch" or not retry else min(SPLIT, len(todo))
+        retries = share.attempts - 1
+        k = 1 if self.reward.style == "batch" or not retries else min(SPLIT ** retries, len(todo))
         bounds = [round(j * len(todo) / k) for j in range(k + 1)]
         parts = [todo[a:b] for a, b in zip(bounds, bounds[1:])]
         usable = self._usable()
-        replicas = [usable[(first + share.attempts - 1 + j) % len(usable)] for j in range(k)]
-        failures = await asyncio.gather(*(self._request(r, part, share, trainer_state)
-                                          for r, part in zip(replicas, parts)), return_exceptions=True)
-        transient = [f for f in failures if isinstance(f, TransientSandboxError)]
-        fatal = [f for f in failures if isinstance(f, BaseException) and not isinstance(f, TransientSandboxError)]
+        lanes: dict = {}  # replica -> its parts, in order
+        for j, part in enumerate(parts):
+            lanes.setdefault(usable[(first + share.attempts - 1 + j) % len(usable)], []).append(part)
+
+        async def lane(replica: Replica, its_parts: list) -> list:
+            failed = []
+            for part in its_parts:
+                try:
+                    await self._request(replica, part, share, trainer_state)
+                except TransientSandboxError as e:  # recovered (see _request): the next part goes on
+                    failed.append(e)
+            return failed
+
+        results = await asyncio.gather(*(lane(r, p) for r, p in lanes.items()), return_exceptions=True)
+        fatal = [f for f in results if isinstance(f, BaseException)]
         if fatal:
             raise fatal[0]
+        transient = [e for failed in results for e in failed]
         if transient:
             raise transient[0]
 

@@ -14,7 +14,7 @@ from rewardbox.wire import HARD_TIMEOUT_MARGIN_S, Status
 from rewardbox.wire.pb import reward_pb2 as pb
 from tests.conftest import no_sleep, run
 from rewardbox.errors import TransportError
-from tests.fakes import FakeBackend, FakeSandbox, FakeTransport, answer
+from tests.fakes import FakeBackend, FakeSandbox, FakeTransport, answer, length_of_completion
 
 
 def start(tmp_path, reward: dict | None = None, sandbox: dict | None = None, make=FakeSandbox):
@@ -99,6 +99,24 @@ def test_a_sandbox_that_stays_unavailable_falls_back_after_all_retries_with_back
     # the whole share once, then each retry one request per unscored sample (split up to 4 ways)
     assert [len(r.samples) for r, _ in fake.calls] == [3] + [1] * 9 and len(no_sleep.calls) == 3
     assert all(0 <= d <= min(0.5, 0.2 * 2 ** (i + 1)) for i, d in enumerate(no_sleep.calls))
+
+
+def test_each_retry_splits_finer_so_that_several_samples_that_take_their_sandbox_down_end_up_alone(tmp_path):
+    # Four such samples spread through 16 ended all 16 UNAVAILABLE: every retry sent the same four parts, each with
+    # one of them (red team, one replica). Now the parts are 4, then 16: the other 12 keep their scores.
+    s, [fake] = start(tmp_path, {"retries": 3, "default_score": -5.0})
+
+    def down_with_a_bomb(request):
+        if any(c.startswith("bomb") for c in completions(request)):
+            raise TransportError(grpc.StatusCode.UNAVAILABLE, "this sandbox stopped")
+        return answer(length_of_completion)(request)
+
+    fake.default = down_with_a_bomb
+    batch = ["bomb" if i % 4 == 0 else "x" * (i + 1) for i in range(16)]
+    report = run(s["r"].client.score(build_samples(["p"] * 16, batch, {})))
+    assert report.statuses == [Status.UNAVAILABLE if i % 4 == 0 else Status.OK for i in range(16)]
+    assert report.values == [-5.0 if i % 4 == 0 else float(i + 1) for i in range(16)]
+    assert [len(r.samples) for r, _ in fake.calls][:6] == [16, 4, 4, 4, 4, 1] and report.attempts == 4
 
 
 @pytest.mark.parametrize("code", [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL,
