@@ -39,7 +39,12 @@ TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLI
 
 
 class TransientSandboxError(Exception):
-    """One attempt failed in a way a retry may fix."""
+    """One attempt failed in a way a retry may fix (``recovered``: the replica was brought back, or needed
+    nothing)."""
+
+    def __init__(self, message: str, recovered: bool = True):
+        super().__init__(message)
+        self.recovered = recovered
 
 
 @dataclass
@@ -217,8 +222,10 @@ class RewardClient:
             for part in its_parts:
                 try:
                     await self._request(replica, part, share, trainer_state)
-                except TransientSandboxError as e:  # recovered (see _request): the next part goes on
+                except TransientSandboxError as e:
                     failed.append(e)
+                    if not e.recovered:  # the replica stays down: its other parts wait for the next attempt
+                        break
             return failed
 
         results = await asyncio.gather(*(lane(r, p) for r, p in lanes.items()), return_exceptions=True)
@@ -266,8 +273,9 @@ class RewardClient:
                 elif e.code in TRANSIENT_CODES or e.code == grpc.StatusCode.FAILED_PRECONDITION:
                     log.info("reward %s: attempt %d on sandbox %s failed (%s); recovering and retrying",
                              self.reward.name, share.attempts, replica.name, e)
-                    await self._recover(replica, generation, reload=e.code == grpc.StatusCode.FAILED_PRECONDITION)
-                    raise TransientSandboxError(f"{replica.name}: {e}") from None
+                    recovered = await self._recover(replica, generation,
+                                                    reload=e.code == grpc.StatusCode.FAILED_PRECONDITION)
+                    raise TransientSandboxError(f"{replica.name}: {e}", recovered=recovered) from None
                 else:
                     raise BackendError(f"reward {self.reward.name!r}: sandbox {replica.name} refused the request: "
                                        f"{e}") from e
@@ -334,11 +342,14 @@ class RewardClient:
         share.workers_replaced += reply.metrics.workers_replaced
         return deferred, unscored
 
-    async def _recover(self, replica: Replica, generation: int, reload: bool) -> None:
+    async def _recover(self, replica: Replica, generation: int, reload: bool) -> bool:
+        """Restarts or reloads the replica where it needs it. Returns whether that worked."""
         try:
             await asyncio.to_thread(replica.recover, generation, reload)
         except Exception as e:  # noqa: BLE001 - a failed recovery is one more transient failure to retry
             log.warning("reward %s: recovering sandbox %s failed: %s", self.reward.name, replica.name, e)
+            return False
+        return True
 
 
 def _over_message_limit(error: TransportError) -> bool:
