@@ -79,6 +79,13 @@ def test_a_node_lost_in_the_middle_of_scoring_loses_no_sample(start_on_ray, ray_
             assert time.monotonic() < deadline, "the lost node's container was left behind"
             time.sleep(0.5)
     finally:
+        # Until Ray's health checks mark the lost node dead, it may be given the next test's actors, which are then
+        # cancelled before they run (a fresh-clone CI run: "The actor never ran").
+        import ray
+        deadline = time.monotonic() + 120
+        while any(n["NodeID"] == doomed_node and n["Alive"] for n in ray.nodes()):
+            assert time.monotonic() < deadline, "Ray never marked the lost node dead"
+            time.sleep(0.5)
         ray_cluster.add_node(num_cpus=2)  # the session's cluster keeps its three worker nodes
         ray_cluster.wait_for_nodes()
 
