@@ -216,7 +216,8 @@ class Guard:
             self.scan_s = time.monotonic() - started
             unheld, pressure = min((self._unheld(use, found, kernel), use) for use, kernel in (before, after))
         totals = found.totals
-        if dying and totals.get(self.last_killed, (0, [], []))[1:] == ([], []):
+        _, new_pids, new_monitors = totals.get(self.last_killed, (0, [], []))
+        if dying and not new_pids and not new_monitors:
             # The slot just killed runs no process yet: what is counted for it are the killed sample's files.
             totals.pop(self.last_killed, None)
         slot, (most, pids, monitors) = max(totals.items(), key=lambda item: item[1][0]) if totals \

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import itertools
 import logging
 import socket
@@ -78,13 +79,10 @@ def _error(outcome) -> str:
     return (outcome.errors[0] if isinstance(outcome, ChunkResult) else outcome.error) or "crash"
 
 
-_USAGE: list = []  # the sandbox's memory cgroup (memory_use.find_usage), found once
-
-
+@functools.cache
 def _usage() -> Optional[memory_use.Usage]:
-    if not _USAGE:
-        _USAGE.append(memory_use.find_usage())
-    return _USAGE[0]
+    """The sandbox's memory cgroup (:func:`.memory_use.find_usage`), found once."""
+    return memory_use.find_usage()
 
 
 # What the server keeps of one call's output and error texts (samples of isolation: sample and process are answered

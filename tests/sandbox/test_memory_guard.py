@@ -479,14 +479,21 @@ def test_a_little_kernel_memory_no_figure_accounts_for_moves_the_mark_for_innoce
     assert guard.check() is None and not killed
 
 
+def _calm_v1(statuses, sockets=None):
+    """A guard over ``statuses`` under cgroup v1, calibrated in calm times (420 MiB in use, 20 MiB of it kernel
+    memory); returns (usage, guard, stopped, killed, clock)."""
+    usage = FakeUsage(now=420 << 20, kernel_now=20 << 20, **V1)
+    guard, stopped, killed, clock = _guard(usage, statuses, sockets=sockets)
+    assert guard.check() is None  # calm
+    return usage, guard, stopped, killed, clock
+
+
 def test_what_a_hogs_sockets_queue_is_its_own_and_kills_it():
     # cgroup v1: socket buffers are kernel memory too; Linux says whose (sock_diag)
     statuses = [(1, status(0, rss_anon_kb=100 << 10)), (2, status(OTHER_SLOT, rss_anon_kb=300 << 10))]
     statuses += [(10 + k, status(SLOT, rss_anon_kb=1 << 10)) for k in range(8)]
     sockets = {0: 1 << 20}
-    usage = FakeUsage(now=420 << 20, kernel_now=20 << 20, **V1)
-    guard, stopped, killed, clock = _guard(usage, statuses, sockets=sockets)
-    assert guard.check() is None
+    usage, guard, stopped, killed, clock = _calm_v1(statuses, sockets)
     sockets[SLOT] = 560 << 20
     usage.now, usage.kernel_now = 990 << 20, 580 << 20
     clock.t += 1.0
@@ -500,9 +507,7 @@ def test_kernel_memory_a_hog_adds_while_the_guard_reads_its_sockets_is_not_taken
     statuses = [(1, status(0, rss_anon_kb=100 << 10)), (2, status(OTHER_SLOT, rss_anon_kb=300 << 10))]
     statuses += [(10 + k, status(SLOT, rss_anon_kb=1 << 10)) for k in range(8)]
     sockets = {0: 1 << 20}
-    usage = FakeUsage(now=420 << 20, kernel_now=20 << 20, **V1)
-    guard, stopped, killed, clock = _guard(usage, statuses, sockets=sockets)
-    assert guard.check() is None  # calm
+    usage, guard, stopped, killed, clock = _calm_v1(statuses, sockets)
 
     def filling():  # what sock_diag says, then the hog's sockets fill on
         said = dict(sockets)
@@ -525,9 +530,7 @@ def test_kernel_memory_that_swings_between_the_guards_reads_gets_no_innocent_kil
     # with its own finding; here the pipes are seen for what they are on the next check, and the sandbox restarts.
     statuses = [(1, status(0, rss_anon_kb=100 << 10)), (2, status(OTHER_SLOT, rss_anon_kb=290 << 10)),
                 (3, status(SLOT, rss_anon_kb=10 << 10))]
-    usage = FakeUsage(now=420 << 20, kernel_now=20 << 20, **V1)
-    guard, stopped, killed, clock = _guard(usage, statuses)
-    assert guard.check() is None  # calm
+    usage, guard, stopped, killed, clock = _calm_v1(statuses)
     statuses[1] = (2, status(OTHER_SLOT, rss_anon_kb=600 << 10))  # the innocent, within its share
     full, empty = (980 << 20, 270 << 20), (730 << 20, 20 << 20)  # 710 MiB of processes, 20 of the kernel's
     phases = [full, empty, full]  # the first read, the one before the processes' figures, the one after
