@@ -338,6 +338,8 @@ class RewardClient:
                     share.last_error = score.error
             else:
                 outcomes[item[0]] = checked(score)
+        if reply.logs_in_scores:
+            share.logs.extend(score.logs for score in reply.scores if score.logs)
         share.logs.append(reply.logs)
         share.workers_replaced += reply.metrics.workers_replaced
         return deferred, unscored

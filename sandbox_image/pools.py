@@ -86,11 +86,12 @@ def _usage() -> Optional[memory_use.Usage]:
 
 
 # What the server keeps of one call's output and error texts (samples of isolation: sample and process are answered
-# one by one, each with up to max_log_bytes of output and 8 KiB of error): this share of the sandbox's memory (the
-# reply holds them twice more: each sample's, and all of them together). The server's memory is in no sample's
-# count: 2,600 samples printing 64 KiB each (one wide character makes a str four bytes a character) took the server
-# to 326 MiB, and the memory guard killed a 300 MiB innocent (red team).
-OUTPUT_BUDGET_FRACTION = 64
+# one by one, each with up to max_log_bytes of output and 8 KiB of error): this share of the sandbox's memory,
+# counted as each answer arrives (_OutputBudget). While it replies the server holds them about four times over (the
+# texts, joined, in the reply, serialized: 1,200 samples printing 64 KiB with a 16 MiB budget grew it 61 MiB).
+# 2,600 such samples, with none of this, took the server to 326 MiB, and the memory guard killed a 300 MiB innocent
+# for it (red team); the guard now counts the server's growth as no sample's (memory_guard.Guard._grown).
+OUTPUT_BUDGET_FRACTION = 128
 MIN_OUTPUT_BUDGET = 4 << 20
 UNLIMITED_OUTPUT_BUDGET = 64 << 20  # where the sandbox has no memory limit
 KEPT_ERROR_CHARS = 1000  # of each error text once the budget is spent (its end: a traceback's last lines)
@@ -106,6 +107,25 @@ def output_budget() -> int:
 
 def _text_bytes(answer: ChunkResult) -> int:
     return sys.getsizeof(answer.logs) + sum(sys.getsizeof(e) for e in answer.errors if e)
+
+
+class _OutputBudget:
+    """What the server keeps of one call's output and error texts, counted as each answer arrives: kept until the
+    request ends, a request's answers grew the server by all its samples' output (1,200 samples printing 64 KiB:
+    76 MiB, where the call kept 16)."""
+
+    def __init__(self, budget: int):
+        self.budget, self.kept = budget, 0
+
+    def keep(self, answer: ChunkResult) -> ChunkResult:
+        if not (answer.logs or any(answer.errors)):
+            return answer
+        size = _text_bytes(answer)
+        if self.kept + size > self.budget:
+            answer = _over_budget(answer, self.budget)
+            size = _text_bytes(answer)
+        self.kept += size
+        return answer
 
 
 def _over_budget(answer: ChunkResult, budget: int) -> ChunkResult:
@@ -206,6 +226,10 @@ class _Streamed:
     failed: Optional[Outcome] = None
     retired: bool = False
     unattributed: bool = False  # a failure that none of the units left can be blamed for alone
+    texts: Optional[_OutputBudget] = None  # the call's, applied to each answer as it arrives
+
+    def add(self, answer: ChunkResult) -> None:
+        self.answered.append(answer if self.texts is None else self.texts.keep(answer))
 
 
 class FunctionPool:
@@ -348,22 +372,15 @@ class FunctionPool:
         # others are done (see oom_kills); and those scored again so.
         victims: list = []
         again: set = set()
-        budget, kept = output_budget(), 0  # see OUTPUT_BUDGET_FRACTION
+        texts = _OutputBudget(output_budget())  # see OUTPUT_BUDGET_FRACTION
 
         def settle(i: int, outcome, oom: bool) -> None:
-            nonlocal kept
             if oom and _crashed(outcome):
                 if i not in again:
                     victims.append(i)
                     again.add(i)
                     return
                 outcome = Outcome.failed(Status.CRASH, f"{_error(outcome)}; {OOM_TWICE}")
-            if isinstance(outcome, ChunkResult) and (outcome.logs or outcome.errors[0]):
-                size = _text_bytes(outcome)
-                if kept + size > budget:
-                    outcome = _over_budget(outcome, budget)
-                    size = _text_bytes(outcome)
-                kept += size
             outcomes[i] = outcome
 
         async def run_requests() -> None:
@@ -374,7 +391,7 @@ class FunctionPool:
                 idle -= 1
                 kills = oom_kills()
                 try:
-                    streamed = await self._request_streamed(batch.take(taken), timeout_s, state)
+                    streamed = await self._request_streamed(batch.take(taken), timeout_s, state, texts=texts)
                 finally:
                     idle += 1
                 oom = kills is not None and oom_kills() != kills  # the kernel killed a process while it ran
@@ -489,10 +506,11 @@ class FunctionPool:
         return (streamed.answered[0], None) if streamed.answered else (None, streamed.failed)
 
     async def _request_streamed(self, batch: SampleBatch, timeout_s: float, state: Optional[dict],
-                                units: Optional[int] = None) -> "_Streamed":
-        """A streamed request (isolation: sample and process) of ``units`` units (default: one per sample)."""
-        return await self._send(batch, timeout_s, state,
-                                lambda ours, request, *args: self._stream(ours, request, *args, units=units))
+                                units: Optional[int] = None, texts: Optional[_OutputBudget] = None) -> "_Streamed":
+        """A streamed request (isolation: sample and process) of ``units`` units (default: one per sample); each
+        answer's texts within ``texts``, if given."""
+        return await self._send(batch, timeout_s, state, lambda ours, request, *args: self._stream(
+            ours, request, *args, units=units, texts=texts))
 
     async def _send(self, batch: SampleBatch, timeout_s: float, state: Optional[dict], exchange: Callable):
         """Sends a request to the template with a socket of its own and runs ``exchange`` on that socket. Tells the
@@ -530,12 +548,13 @@ class FunctionPool:
                         pass
 
     async def _stream(self, ours: socket.socket, request: int, batch: SampleBatch, timeout_s: float,
-                      state: Optional[dict], units: Optional[int] = None) -> "_Streamed":
+                      state: Optional[dict], units: Optional[int] = None,
+                      texts: Optional[_OutputBudget] = None) -> "_Streamed":
         """Reads a streamed answer (:mod:`.codec`, :mod:`.reuse`) unit by unit, each within its own deadline. Units
         answered before a marker are kept; a unit whose call tainted its process keeps its own answer; the unit
         running when the process died, hung or broke the format gets that status; the rest are left unscored."""
         loop = asyncio.get_running_loop()
-        streamed = _Streamed()
+        streamed = _Streamed(texts=texts)
         tainted = False
         forked = self._forks(len(batch))
         streamed.failed = await self._begin(ours, request, batch, timeout_s, state, forked)
@@ -563,7 +582,8 @@ class FunctionPool:
                 clean, reader.pos = codec.decode_clean_units(reader.buffer, reader.pos, per_unit, units - k,
                                                              self.config.max_log_bytes, reuse.CLEAN[0], forked)
                 if clean:  # what has arrived of the clean units, at once
-                    streamed.answered += clean
+                    for answer in clean:
+                        streamed.add(answer)
                     k += len(clean)
                     continue
                 kind = reader.peek()
@@ -577,7 +597,7 @@ class FunctionPool:
                         streamed.retired = True
                         return streamed
                     tainted = True
-                streamed.answered.append(await self._frame(reader, per_unit, deadline_s, forked))
+                streamed.add(await self._frame(reader, per_unit, deadline_s, forked))
                 if tainted:  # what follows its own answer is not ours to read
                     streamed.retired = True
                     return streamed

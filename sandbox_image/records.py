@@ -99,25 +99,41 @@ class BatchResult:
     values: list = field(default_factory=list)
     statuses: list = field(default_factory=list)
     errors: list = field(default_factory=list)
-    logs: str = ""
+    log_parts: list = field(default_factory=list)  # the call's output, in order: see logs
+    shared_logs: bool = False  # some of it is no one sample's own (a chunk's, a batch-style call's)
     dropped: int = 0
     workers_replaced: int = 0
     isolated_reruns: int = 0
     sample_logs: list = field(default_factory=list)  # per sample: its own output where it ran alone, else ""
     sample_seconds: list = field(default_factory=list)  # per sample: how long it took (None: unknown)
 
+    @property
+    def logs(self) -> str:
+        """The call's output, joined once (one ``+=`` per sample copied it all again for each: quadratic time, and
+        the server's memory twice over while thousands of chatty samples' output was joined)."""
+        return "".join(self.log_parts)
+
+    @logs.setter
+    def logs(self, text: str) -> None:
+        self.log_parts = [text] if text else []
+        self.shared_logs = bool(text)
+
     def add(self, other: "BatchResult | ChunkResult") -> None:
         self.values.extend(other.values)
         self.statuses.extend(other.statuses)
         self.errors.extend(other.errors)
-        self.logs += other.logs
         self.dropped += other.dropped
         if isinstance(other, BatchResult):
+            self.log_parts.extend(other.log_parts)
+            self.shared_logs = self.shared_logs or other.shared_logs
             self.workers_replaced += other.workers_replaced
             self.isolated_reruns += other.isolated_reruns
             self.sample_logs.extend(other.sample_logs)
             self.sample_seconds.extend(other.sample_seconds)
         else:
+            if other.logs:
+                self.log_parts.append(other.logs)
+                self.shared_logs = self.shared_logs or len(other) != 1
             self.sample_logs.extend([other.logs] if len(other) == 1 else [""] * len(other))
             self.sample_seconds.extend(other.seconds if len(other.seconds) == len(other) else [None] * len(other))
 

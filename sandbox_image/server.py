@@ -232,8 +232,10 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
             result = scoring.result()
         except PoolUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        in_scores = False
         if request.sample_details:
             n = len(result.values)
+            in_scores = len(result.sample_logs) == n and fp.style != "batch" and not result.shared_logs
             alone = result.sample_logs if len(result.sample_logs) == n and fp.style != "batch" else [""] * n
             times = result.sample_seconds if len(result.sample_seconds) == n else [None] * n
             scores = [
@@ -250,12 +252,14 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
                 else pb.Score(status=status.wire, error=error)
                 for value, status, error in zip(result.values, result.statuses, result.errors)
             ]
-        logs = result.logs
+        if in_scores:  # the call's output is the samples' own, in order: not sent twice (see ScoreResponse)
+            result.log_parts = []
         if result.dropped:
-            logs += f"\n[rewardbox: {result.dropped} more characters of output dropped]\n"
+            result.log_parts.append(f"\n[rewardbox: {result.dropped} more characters of output dropped]\n")
         return pb.ScoreResponse(
             scores=scores,
-            logs=logs,
+            logs=result.logs,
+            logs_in_scores=in_scores,
             logs_truncated=result.dropped > 0,
             metrics=pb.Metrics(
                 elapsed_ms=(time.monotonic() - started) * 1000,

@@ -205,16 +205,18 @@ class Metrics(_message.Message):
     def __init__(self, elapsed_ms: _Optional[float] = ..., workers_replaced: _Optional[int] = ..., isolated_reruns: _Optional[int] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("scores", "logs", "logs_truncated", "metrics")
+    __slots__ = ("scores", "logs", "logs_truncated", "metrics", "logs_in_scores")
     SCORES_FIELD_NUMBER: _ClassVar[int]
     LOGS_FIELD_NUMBER: _ClassVar[int]
     LOGS_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    LOGS_IN_SCORES_FIELD_NUMBER: _ClassVar[int]
     scores: _containers.RepeatedCompositeFieldContainer[Score]
     logs: str
     logs_truncated: bool
     metrics: Metrics
-    def __init__(self, scores: _Optional[_Iterable[_Union[Score, _Mapping]]] = ..., logs: _Optional[str] = ..., logs_truncated: _Optional[bool] = ..., metrics: _Optional[_Union[Metrics, _Mapping]] = ...) -> None: ...
+    logs_in_scores: bool
+    def __init__(self, scores: _Optional[_Iterable[_Union[Score, _Mapping]]] = ..., logs: _Optional[str] = ..., logs_truncated: _Optional[bool] = ..., metrics: _Optional[_Union[Metrics, _Mapping]] = ..., logs_in_scores: _Optional[bool] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()

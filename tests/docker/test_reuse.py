@@ -395,16 +395,19 @@ def test_a_sample_the_kernels_oom_killer_kills_twice_says_so_and_is_not_tried_a_
 
 def test_what_the_server_keeps_of_a_calls_output_is_bounded_by_the_sandboxs_memory(sandboxes):
     # The server's memory is in no sample's count: 2,600 samples printing 64 KiB each took it to 326 MiB, and the
-    # memory guard killed a 300 MiB innocent (red team, runc). A call's output and errors are kept up to a 64th of
-    # the sandbox's memory (16 MiB of this 1 GiB: about 250 samples' 64 KiB); later samples' output is a note.
+    # memory guard killed a 300 MiB innocent (red team, runc). A call's output and errors are kept up to a 128th of
+    # the sandbox's memory (8 MiB of this 1 GiB: about 125 samples' 64 KiB), counted as each sample's answer arrives
+    # (not once a request of hundreds of them ended); later samples' output is a note.
     chatty = "print('x' * 65000)\nscore = 1.0"
     report = asyncio.run(sandboxes["run"].client.score(build_samples(["p"] * 600, [chatty] * 600, {}), details=True))
     assert report.values == [1.0] * 600 and report.statuses == [Status.OK] * 600, report.errors[:3]
     kept = [own for own in report.sample_logs if own == "x" * 65000 + "\n"]
     noted = [own for own in report.sample_logs if own.startswith("[rewardbox dropped this sample's output (65001 "
                                                                   "characters): the call's samples printed more "
-                                                                  "than the 16 MiB")]
-    assert 200 < len(kept) < 260 and len(kept) + len(noted) == 600, (len(kept), len(noted))
+                                                                  "than the 8 MiB")]
+    assert 100 < len(kept) < 130 and len(kept) + len(noted) == 600, (len(kept), len(noted))
+    own = "".join(report.sample_logs)  # the call's output: its samples' own, in order (sent once), then a note
+    assert report.logs.startswith(own) and "more characters of output dropped" in report.logs[len(own):]
 
 
 def test_a_sample_that_fills_socket_buffers_from_many_forks_dies_near_the_limit_not_an_innocent(sandboxes):
