@@ -112,7 +112,8 @@ class Guard:
                  renewed: Optional[Callable[[], int]] = None,
                  wait: Callable[[int], object] = lambda pid: os.waitpid(pid, 0),
                  socket_bytes: Callable[[], Optional[dict]] = sockets.bytes_by_uid,
-                 sockets_of: Callable[[int], tuple] = sockets.held_by, listed: Callable[[], set] = sockets.listed):
+                 sockets_of: Callable[[int], tuple] = sockets.held_by, listed: Callable[[], set] = sockets.listed,
+                 server: Optional[int] = None):
         self.groups = {}
         self.members: dict = {}
         self.directories: dict = {}  # slot -> the tmpfs directories of its uids
@@ -122,6 +123,7 @@ class Guard:
             for member in self.members[uid]:
                 self.groups[member] = uid
         self.directory_bytes = directory_bytes
+        self.server = server  # the server's pid: see _grown
         self.renewed = renewed  # gVisor (chroot): bytes held in replaced slot tmpfs, read every RENEWED_S
         self.next_renewed = 0.0
         self.usage = usage
@@ -145,6 +147,7 @@ class Guard:
         self.last_killed: Optional[int] = None
         self.offset = 0  # see _calibrate
         self.readings: list = []
+        self.server_readings: list = []  # what the server held in calm times: see _grown
         self.kernel_floor: Optional[int] = None  # see _unheld
         self.next_calibration = 0.0
         self.dying: frozenset = frozenset()  # the processes of the slot last killed (see check)
@@ -191,7 +194,8 @@ class Guard:
         # 680 MiB past the mark and got a 390 MiB innocent killed in 13 of 33 runs: red team.)
         dying = self.dying if now < self.settle_until else frozenset()
         found = self._held(listed=range(sockets_listed()), dying=dying) if self.sockets_of is not None else None
-        if found is not None and pressure - min(self._unheld(pressure, found), most_unheld) >= self.mark:
+        if found is not None and \
+                pressure - min(self._unheld(pressure, found) + self._grown(found), most_unheld) >= self.mark:
             # Even were every socket in flight, what processes hold of their own takes the use past the mark: the
             # one holding the most goes. Under gVisor, reading which sockets they hold costs 15 ms or more (a
             # readlink each): 12 forks of 80 MiB each outran a guard that read them first, and the host killed the
@@ -227,8 +231,12 @@ class Guard:
         # sockets (kernel memory no queue shows) moved the mark 41 MiB, 32 forks filled it at once, and the
         # kernel's OOM killer took an innocent before the guard acted (red team).
         left = min(unheld, self.calm_unheld, most_unheld)
+        # What the server holds past its calm level is no sample's either, and appeared since: it holds a call's
+        # output texts and answers until it replies (red team: thousands of chatty samples grew it 80 MiB, and the
+        # largest sample, an innocent near the mark, was killed for it).
+        unheld += self._grown(found)
         why = f"{pressure / _MIB:.0f} of the sandbox's {self.usage.limit / _MIB:.0f} MiB in use, {unheld / _MIB:.0f} " \
-              f"MiB of it held by no process nor any sample's files"
+              f"MiB of it held by no sample's processes nor files"
         if now >= self.settle_until and unheld >= most_unheld:
             # Killing a sample would free none of it (gVisor keeps Unix sockets sent over themselves and what rides
             # in them; dentries), would take an innocent (red teams), and it leaves too little of the margin.
@@ -302,6 +310,15 @@ class Guard:
         self.readings = (self.readings + [excess])[-CALIBRATIONS:]
         self.offset = min(0, max(self.readings))
         self.calm_unheld = self._unheld(exact, found)
+        self.server_readings = (self.server_readings + [found.server])[-CALIBRATIONS:]
+
+    def _grown(self, found: Held) -> int:
+        """What the server process holds past the least it held in the last CALIBRATIONS calm readings: no sample's
+        memory, and killing one frees none of it. Of the sandbox's own processes only the server's memory grows with
+        what samples do (their answers and output, until it replies); what it keeps for good after a busy call (its
+        heap) becomes its calm level within CALIBRATIONS readings. Not the supervisor's templates' or runner's
+        figures: a slot process just forked is root, named as its template, and counts its template's pages."""
+        return max(0, found.server - min(self.server_readings)) if self.server_readings else 0
 
     def _unheld(self, use: int, found: Held, kernel: Optional[int] = None) -> int:
         """Bytes of ``use`` that no process nor any slot's files hold: what the processes' figures do not add up to,
@@ -322,10 +339,10 @@ class Guard:
         its memory too) and in the totals. With ``listed`` (gVisor), no process's sockets are read: each of those
         may be in flight. ``dying``: processes just killed, counted for no slot."""
         if listed is not None:
-            found = held(self.groups, self.statuses(), listed=listed, dying=dying)
+            found = held(self.groups, self.statuses(), listed=listed, dying=dying, server=self.server)
         else:
             found = held(self.groups, self.statuses(), self.socket_bytes() if self.socket_bytes is not None else None,
-                         self.sockets_of, self.listed() if self.listed is not None else (), dying)
+                         self.sockets_of, self.listed() if self.listed is not None else (), dying, self.server)
         totals, everyone, own = found.totals, found.everyone, found.own
         for slot, directories in self.directories.items():
             files = sum(self._directory_bytes(d) for d in directories)

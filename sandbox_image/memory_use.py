@@ -184,11 +184,12 @@ class Held(NamedTuple):
     page_tables: int  # of everyone, page tables
     sockets: int  # of everyone, what sockets hold
     in_flight: int = 0  # gVisor: SOCKET_BYTES for each socket no process holds (Linux: every socket has its uid's)
+    server: int = 0  # of everyone, what the server process holds, and its uid's sockets (when in no slot)
 
 
 def held(groups: dict, statuses: Iterable[tuple[int, bytes]], socket_bytes: Optional[dict] = None,
          sockets_of: Optional[Callable[[int], tuple]] = None, listed: Iterable[int] = (),
-         dying: frozenset = frozenset()) -> Held:
+         dying: frozenset = frozenset(), server: Optional[int] = None) -> Held:
     """:class:`Held` from ``(pid, /proc/<pid>/status)`` of the sandbox's processes (``groups`` maps each slot's uids
     to the slot): what each holds of its own (:func:`.processes.resident_kb`) and its page tables; pages a fork
     shares count in each process that maps them: more than the truth, never less. A program runner's monitor
@@ -202,9 +203,12 @@ def held(groups: dict, statuses: Iterable[tuple[int, bytes]], socket_bytes: Opti
     team).
 
     ``dying``: pids the guard just killed, whose memory counts for no slot (it is on its way back), while their
-    slot's new processes count as any others."""
+    slot's new processes count as any others.
+
+    ``server``: the server's pid, whose memory (and its uid's sockets) :attr:`Held.server` says."""
     totals: dict = {}
-    everyone = own = page_tables = socket_total = counted = 0
+    everyone = own = page_tables = socket_total = counted = server_bytes = 0
+    server_uid = None
     seen: set = set()
 
     def add(group, memory: int, pid: Optional[int] = None, monitor: bool = False) -> None:
@@ -238,10 +242,14 @@ def held(groups: dict, statuses: Iterable[tuple[int, bytes]], socket_bytes: Opti
         group = groups.get(uid)
         if group is not None and pid not in dying:
             add(group, resident + tables + held_sockets, pid, monitor)
+        if pid == server and group is None:
+            server_bytes, server_uid = resident + tables + held_sockets, uid
     for uid, queued in (socket_bytes or {}).items():
         everyone += queued
         socket_total += queued
         if groups.get(uid) is not None:
             add(groups[uid], queued)
+        elif uid == server_uid:
+            server_bytes += queued
     in_flight = SOCKET_BYTES * max(0, len(set(listed) - seen) - counted)  # without sockets_of: each listed one
-    return Held(totals, everyone, own, page_tables, socket_total, in_flight)
+    return Held(totals, everyone, own, page_tables, socket_total, in_flight, server_bytes)

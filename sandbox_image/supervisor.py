@@ -110,7 +110,7 @@ class Supervisor:
         slots = self.free if not pool.root else [(uid, "", run_uid, "") for uid, _, run_uid, _ in self.free]
         self.guard = memory_guard.Guard(
             slots, usage, pool.atomic_kill,
-            renewed=private_tmp.leaked_bytes if pool.private_tmp == "chroot" else None,
+            renewed=private_tmp.leaked_bytes if pool.private_tmp == "chroot" else None, server=os.getppid(),
         ) if usage is not None else None
 
     def run(self) -> None:

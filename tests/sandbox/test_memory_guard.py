@@ -192,7 +192,8 @@ class Clock:
         return self.t
 
 
-def _guard(usage, statuses, files=None, monitors_killed=None, frozen=None, sockets=None, holds=None, listed=()):
+def _guard(usage, statuses, files=None, monitors_killed=None, frozen=None, sockets=None, holds=None, listed=(),
+           server=None):
     """A guard over two slots. ``sockets``: {uid: bytes} as Linux's sock_diag says (None: none to say);
     ``holds``: {pid: socket inodes} and ``listed``: the inodes /proc/net lists, as gVisor's /proc says."""
     stopped, killed, clock = [], [], Clock()
@@ -212,7 +213,7 @@ def _guard(usage, statuses, files=None, monitors_killed=None, frozen=None, socke
                   usage, atomic_kill=True, statuses=lambda: statuses, stop=stop, kill=kill, clock=clock,
                   directory_bytes=lambda d: files.get(d, 0), wait=lambda pid: None,
                   socket_bytes=lambda: sockets, sockets_of=lambda pid: (holds.get(pid, set()), 0),
-                  listed=lambda: set(listed))
+                  listed=lambda: set(listed), server=server)
     return guard, stopped, killed, clock
 
 
@@ -414,6 +415,51 @@ def test_what_the_figures_count_twice_in_calm_times_hides_no_phantom_memory_late
     statuses.append((2, status(OTHER_SLOT, rss_anon_kb=500 << 10)))
     usage.now = 950 << 20
     assert guard.check() == memory_guard.RESTART and not killed
+
+
+SERVER_PID, SERVER_UID = 5, 999
+
+
+def test_what_the_server_holds_past_its_calm_level_is_no_samples_and_gets_no_innocent_killed():
+    # The server holds a call's answers and output until it replies: thousands of chatty samples grew it 80 MiB past
+    # its calm level, and the largest sample near the mark, an innocent, was killed for it (red team, runc).
+    def sandbox(server_mib, slot_mib, other_mib):
+        statuses[:] = [(SERVER_PID, status(SERVER_UID, rss_anon_kb=server_mib << 10)),
+                       (6, status(0, rss_anon_kb=10 << 10)), (1, status(SLOT, rss_anon_kb=slot_mib << 10)),
+                       (2, status(OTHER_SLOT, rss_anon_kb=other_mib << 10))]
+        usage.now = (server_mib + 10 + slot_mib + other_mib) << 20
+
+    statuses, usage = [], FakeUsage()
+    guard, stopped, killed, clock = _guard(usage, statuses, server=SERVER_PID)
+    sandbox(20, 200, 390)
+    assert guard.check() is None  # calm: the server holds 20 MiB
+    sandbox(70, 430, 390)  # the server grew 50 MiB: 4 MiB past the mark, though the samples are under it
+    clock.t += 1.0
+    assert guard.check() == memory_guard.RESTART and not killed
+    guard, stopped, killed, clock = _guard(usage, statuses, server=SERVER_PID)
+    sandbox(20, 200, 390)
+    assert guard.check() is None
+    sandbox(70, 510, 390)  # a hog takes the use past the mark by more than the server grew: it goes
+    clock.t += 1.0
+    assert guard.check() == SLOT and stopped == [1]
+    # What the server keeps after a busy call becomes its calm level: past the mark, the largest sample goes again.
+    guard, stopped, killed, clock = _guard(usage, statuses, server=SERVER_PID)
+    for _ in range(memory_guard.CALIBRATIONS):
+        sandbox(70, 200, 390)
+        assert guard.check() is None
+        clock.t += memory_guard.CALIBRATE_S
+    sandbox(70, 430, 390)
+    assert guard.check() == SLOT
+
+
+def test_only_the_servers_own_memory_and_its_uids_sockets_count_as_the_servers():
+    statuses = [(SERVER_PID, status(SERVER_UID, rss_anon_kb=30 << 10, pte_kb=1 << 10)),
+                (6, status(SERVER_UID, rss_anon_kb=50 << 10)), (7, status(0, rss_anon_kb=40 << 10)),
+                (1, status(SLOT, rss_anon_kb=100 << 10))]
+    found = held(GROUPS, statuses, {SERVER_UID: 2 << 20, 0: 1 << 20, SLOT: 3 << 20}, server=SERVER_PID)
+    assert found.server == (30 + 1 + 2) << 20 and found.totals[SLOT][0] == 103 << 20
+    assert held(GROUPS, statuses).server == 0
+    assert held(GROUPS, statuses, server=1).server == 0  # a slot's process is never the server
 
 
 def test_a_restart_stops_every_samples_processes_and_monitors_first():
