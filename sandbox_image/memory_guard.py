@@ -28,7 +28,8 @@ already (what finished samples left) only moves the mark toward the limit, up to
 sample that left 30 MiB of dentries got one of two innocents killed in every later batch, when it only lowered the
 mark); what appears while samples run is no room for anyone. Past half the margin, or when what appeared since calm
 times takes the use past the mark on its own (MIN_MARGIN_BYTES or more), the supervisor ends instead: the server
-reports NOT_SERVING, and the host starts the sandbox afresh, which frees it. The same happens
+reports NOT_SERVING, and the host starts the sandbox afresh, which frees it. What the server process holds past its
+calm level (samples' answers and output, until it replies) is weighed the same way (:meth:`Guard._grown`). The same happens
 once slot tmpfs that gVisor could not free (:func:`.private_tmp.renew`) hold a quarter of the limit.
 
 It polls: one read of one file (gVisor: a few, kept open) while there is room, more often the closer the mark is
