@@ -29,8 +29,8 @@ sample that left 30 MiB of dentries got one of two innocents killed in every lat
 mark); what appears while samples run is no room for anyone. Past half the margin, or when what appeared since calm
 times takes the use past the mark on its own (MIN_MARGIN_BYTES or more), the supervisor ends instead: the server
 reports NOT_SERVING, and the host starts the sandbox afresh, which frees it. What the server process holds past its
-calm level (samples' answers and output, until it replies) is weighed the same way (:meth:`Guard._grown`). The same happens
-once slot tmpfs that gVisor could not free (:func:`.private_tmp.renew`) hold a quarter of the limit.
+calm level (the call's request, its samples' answers and output, until it replies: :meth:`Guard._grown`) moves the
+mark as well, within the same half margin, and never restarts the sandbox. The same happens once slot tmpfs that gVisor could not free (:func:`.private_tmp.renew`) hold a quarter of the limit.
 
 It polls: one read of one file (gVisor: a few, kept open) while there is room, more often the closer the mark is
 (the time memory takes to grow to it at GROWTH_BYTES_PER_S, within MIN_INTERVAL_S and MAX_INTERVAL_S, a fifth of
@@ -231,26 +231,31 @@ class Guard:
         # the mark; what appeared since may be a running sample's doing, which it must not buy room with: empty
         # sockets (kernel memory no queue shows) moved the mark 41 MiB, 32 forks filled it at once, and the
         # kernel's OOM killer took an innocent before the guard acted (red team).
-        left = min(unheld, self.calm_unheld, most_unheld)
-        # What the server holds past its calm level is no sample's either, and appeared since: it holds a call's
-        # output texts and answers until it replies (red team: thousands of chatty samples grew it 80 MiB, and the
-        # largest sample, an innocent near the mark, was killed for it).
-        unheld += self._grown(found)
+        calm = min(unheld, self.calm_unheld, most_unheld)
+        # What the server holds past its calm level is no sample's either: the call's request (about six times the
+        # size of its completions) and its samples' answers and output, until it replies. Counted against the use,
+        # thousands of chatty samples grew it 80 MiB and the largest sample near the mark, an innocent, was killed
+        # for it. It moves the mark too, within the same half margin; it never restarts the sandbox: weighed as
+        # memory that appeared since calm times, a hog whose own completion was padded (the server's copy of the
+        # request) made every part of every retry restart, and every innocent of the batch ended unavailable (red
+        # teams, runc).
+        left = calm + min(self._grown(found), most_unheld - calm)
         why = f"{pressure / _MIB:.0f} of the sandbox's {self.usage.limit / _MIB:.0f} MiB in use, {unheld / _MIB:.0f} " \
-              f"MiB of it held by no sample's processes nor files"
+              f"MiB of it held by no process nor any sample's files"
         if now >= self.settle_until and unheld >= most_unheld:
             # Killing a sample would free none of it (gVisor keeps Unix sockets sent over themselves and what rides
             # in them; dentries), would take an innocent (red teams), and it leaves too little of the margin.
             return self._restart(why, totals)
         if pressure - left < self.mark:
-            # What processes hold is under the mark: what no process held in calm times is no sample's to pay for.
-            # It moves the mark while it lasts (read again every MAX_INTERVAL_S or more: it may be freed).
+            # What samples hold is under the mark: what no process held in calm times, and what the server holds past
+            # its calm level, are no sample's to pay for. They move the mark while they last (read again every
+            # MAX_INTERVAL_S or more: they may be freed).
             self.free_pass, self.next_scan = left, now + max(MAX_INTERVAL_S, 5 * self.scan_s)
             room = self.mark + left - pressure
             self.next_check = now + min(self.usage.longest_sleep, max(MIN_INTERVAL_S, room / GROWTH_BYTES_PER_S))
             return None
         self.free_pass = 0
-        if now >= self.settle_until and unheld - left >= max(MIN_MARGIN_BYTES, pressure - left - self.mark):
+        if now >= self.settle_until and unheld - calm >= max(MIN_MARGIN_BYTES, pressure - left - self.mark):
             # What no process holds takes the use past the mark, and appeared since calm times: killing a sample
             # would free none of it and take an innocent. (Less than MIN_MARGIN_BYTES is kernel memory coming and
             # going with the samples' work: pipes, processes; a program's output through the runner took 5 MiB.)
