@@ -349,8 +349,13 @@ class FunctionPool:
                 bounds = [round(i * len(batch) / k) for i in range(k + 1)]
                 parts = [batch.slice(a, b) for a, b in zip(bounds, bounds[1:])]
             merged = BatchResult()
-            for part in await asyncio.gather(*(self._score_part(p, timeout_s, state_dict) for p in parts)):
+            victims: list = []  # see _score_part
+            for part in await asyncio.gather(*(self._score_part(p, timeout_s, state_dict, victims, a)
+                                               for p, a in zip(parts, bounds))):
                 merged.add(part)
+            for i in victims:  # once the call's others are done (the sample that filled the sandbox among them)
+                done, failed = await self._again(batch, i, timeout_s, state_dict)
+                merged.put(i, done if done is not None else failed)
             return merged
         finally:
             self.in_flight -= 1
@@ -432,27 +437,63 @@ class FunctionPool:
         request, so no request carries samples that would only be sent back)."""
         return max(1, min(self._chunk_cap, -(-pending // max(1, idle))))
 
-    async def _score_part(self, part: SampleBatch, timeout_s: float, state: Optional[dict]) -> BatchResult:
+    async def _score_part(self, part: SampleBatch, timeout_s: float, state: Optional[dict], victims: list,
+                          offset: int) -> BatchResult:
+        """isolation: worker: ``part`` (the samples from ``offset`` of the call's) in one request; after a crash or
+        hang, each sample alone. A sample whose process crashed alone while the kernel's OOM killer acted is added to
+        ``victims`` (its index in the call), to be scored again once the call's others are done (see oom_kills)."""
         result = BatchResult()
-        done, failed = await self._request(part, timeout_s, state)
+        (done, failed, oom), = await self._requests(part, [None], timeout_s, state)
         if done is not None:
             result.add(done)
             return result
         result.workers_replaced = 1
         if len(part) == 1:
+            if oom and _crashed(failed):
+                victims.append(offset)
             result.add_failed(failed)
             return result
         # A reused worker crashed or hung on this chunk: one sample per request finds the guilty one.
         result.isolated_reruns = len(part)
-        for single in await asyncio.gather(*(self._score_part(part.slice(i, i + 1), timeout_s, state)
-                                             for i in range(len(part)))):
-            result.add(single)
-            result.workers_replaced += single.workers_replaced
+        for i, (single_done, single_failed, oom) in enumerate(await self._requests(part, range(len(part)),
+                                                                                     timeout_s, state)):
+            if single_done is not None:
+                result.add(single_done)
+                continue
+            if oom and _crashed(single_failed):
+                victims.append(offset + i)
+            result.add_failed(single_failed)
+            result.workers_replaced += 1
         return result
 
+    async def _requests(self, batch: SampleBatch, indices, timeout_s: float, state: Optional[dict]) -> list:
+        """A request for each sample of ``indices`` alone (None: the whole ``batch``), all at once: per request,
+        (ChunkResult or None, Outcome or None, whether the kernel's OOM killer acted in this sandbox while it ran)."""
+        async def one(i: Optional[int]) -> tuple:
+            kills = oom_kills()
+            done, failed = await self._request(batch if i is None else batch.slice(i, i + 1), timeout_s, state)
+            return done, failed, kills is not None and oom_kills() != kills
+
+        return list(await asyncio.gather(*(one(i) for i in indices)))
+
+    async def _again(self, batch: SampleBatch, i: int, timeout_s: float, state: Optional[dict]) -> tuple:
+        """Sample ``i`` of ``batch``, whose process died alone while the kernel's OOM killer acted (see oom_kills),
+        scored again, once: (ChunkResult, None) or (None, Outcome). A second such death is final and says so."""
+        log.info("reward %s: a sample whose process died while the kernel's OOM killer acted in this sandbox is "
+                 "scored again, in a fresh process", self.name)
+        (done, failed, oom), = await self._requests(batch, [i], timeout_s, state)
+        if failed is not None and oom and _crashed(failed):
+            failed = Outcome.failed(Status.CRASH, f"{_error(failed)}; {OOM_TWICE}")
+        return done, failed
+
     async def _score_call(self, batch: SampleBatch, timeout_s: float, state: Optional[dict]) -> BatchResult:
-        """A batch-style call; after a crash or hang, the guilty samples alone and the innocent ones together."""
-        done, failed = _hung_or_crashed(*await self._request(batch, timeout_s, state))
+        """A batch-style call; after a crash or hang, the guilty samples alone and the innocent ones together. A sample
+        whose call alone died while the kernel's OOM killer acted in this sandbox is scored again, once, after the
+        others (see oom_kills)."""
+        (done, failed, oom), = await self._requests(batch, [None], timeout_s, state)
+        done, failed = _hung_or_crashed(done, failed)
+        if len(batch) == 1 and oom and failed is not None and _crashed(failed):
+            done, failed = _hung_or_crashed(*await self._again(batch, 0, timeout_s, state))
         result = BatchResult()
         if done is not None:
             result.add(done)
@@ -461,8 +502,14 @@ class FunctionPool:
             result.add_failed(failed)
             result.workers_replaced = 1
             return result
-        singles = [_hung_or_crashed(*single) for single in await asyncio.gather(
-            *(self._request(batch.slice(i, i + 1), timeout_s, state) for i in range(len(batch))))]
+        singles = []
+        for i, (single_done, single_failed, oom) in enumerate(
+                await self._requests(batch, range(len(batch)), timeout_s, state)):
+            single_done, single_failed = _hung_or_crashed(single_done, single_failed)
+            singles.append((single_done, single_failed, oom and single_failed is not None and _crashed(single_failed)))
+        # once the others are done (the sample that filled the sandbox among them): see oom_kills
+        singles = [_hung_or_crashed(*await self._again(batch, i, timeout_s, state)) if victim else (d, f)
+                   for i, (d, f, victim) in enumerate(singles)]
         innocent = [i for i, (single_done, _) in enumerate(singles) if single_done is not None]
         together: Optional[ChunkResult] = None
         again: Optional[Outcome] = failed

@@ -137,6 +137,18 @@ class BatchResult:
             self.sample_logs.extend([other.logs] if len(other) == 1 else [""] * len(other))
             self.sample_seconds.extend(other.seconds if len(other.seconds) == len(other) else [None] * len(other))
 
+    def put(self, i: int, answer: "ChunkResult | Outcome") -> None:
+        """Sample ``i``'s outcome replaced by ``answer`` (a one-sample ChunkResult, or an Outcome): it was scored
+        again."""
+        if isinstance(answer, ChunkResult):
+            self.values[i], self.statuses[i], self.errors[i] = answer.values[0], answer.statuses[0], answer.errors[0]
+            self.sample_logs[i] = answer.logs
+            self.sample_seconds[i] = answer.seconds[0] if len(answer.seconds) == 1 else None
+            if answer.logs:
+                self.log_parts.append(answer.logs)
+        else:
+            self.values[i], self.statuses[i], self.errors[i] = None, answer.status, answer.error
+
     def add_failed(self, outcome: Outcome) -> None:
         """One sample whose worker was killed or died."""
         self.values.append(None)

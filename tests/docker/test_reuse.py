@@ -117,7 +117,8 @@ def sandboxes(request, tmp_path_factory, docker_client, base_image):
     started = sandboxes_on_runtime(request, tmp_path_factory, docker_client, base_image, REWARDS, [
         {"name": "pid", **common}, {"name": "pid_fresh", "function": "pid", "isolation": "process", **common},
         {"name": "pid_worker", "function": "pid", "isolation": "worker", **common},
-        {"name": "act", **common}, {"name": "run", **common}, {"name": "mixed", **common}])
+        {"name": "act", **common}, {"name": "run", **common}, {"name": "mixed", **common},
+        {"name": "run_worker", "function": "run", "isolation": "worker", **common}])
     yield started
     started.stop()
 
@@ -328,10 +329,10 @@ STOP_GUARD = textwrap.dedent("""
 
 
 @contextlib.contextmanager
-def _guard_stopped(sandboxes):
-    """The memory guard of reward ``run``'s sandbox stopped (SIGSTOP to its process) while the block runs: a burst
+def _guard_stopped(sandboxes, name="run"):
+    """The memory guard of reward ``name``'s sandbox stopped (SIGSTOP to its process) while the block runs: a burst
     that outruns its reads, every time."""
-    container = sandboxes.replicas["run"][0].sandbox.container
+    container = sandboxes.replicas[name][0].sandbox.container
     code, out = container.exec_run(["python3", "-c", STOP_GUARD, "SIGSTOP"], user="0")
     assert code == 0 and out.strip(), out
     try:
@@ -341,8 +342,9 @@ def _guard_stopped(sandboxes):
             container.exec_run(["python3", "-c", STOP_GUARD, "SIGCONT"], user="0")
 
 
-def _spread_hog(forks: int, mib: int) -> str:
-    """A sample whose ``forks`` forks take ``mib`` MiB each, a MiB every 20 ms, and hold it for 4 s."""
+def _spread_hog(forks: int, mib: int, hold_s: float = 30.0) -> str:
+    """A sample whose ``forks`` forks take ``mib`` MiB each, a MiB every 20 ms, and hold it for ``hold_s`` (the
+    sample itself returns after 4 s, or once they all ended if that is sooner)."""
     return textwrap.dedent(f"""
         import os, time
         for _ in range({forks}):
@@ -351,9 +353,15 @@ def _spread_hog(forks: int, mib: int) -> str:
                 for b in y:
                     for i in range(0, len(b), 4096):
                         b[i] = 1
-                time.sleep(30)
+                time.sleep({hold_s})
                 os._exit(0)
-        time.sleep(4)
+        end = time.monotonic() + 4
+        while time.monotonic() < end:
+            try:
+                os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            time.sleep(0.05)
         score = 9.0
     """)
 
@@ -377,6 +385,20 @@ def test_an_innocent_the_kernels_oom_killer_took_for_a_sample_that_spread_its_me
         assert (report.values[0], report.statuses[0]) == (9.0, Status.OK), (report.statuses, report.errors)
     else:
         assert report.statuses[0] is Status.CRASH, (report.statuses, report.errors)
+
+
+@pytest.mark.parametrize("sandboxes", ["runc"], indirect=True)  # the kernel's OOM killer acts inside runc only
+def test_under_worker_isolation_too_an_innocent_the_kernels_oom_killer_took_is_scored_again(sandboxes):
+    # isolation: worker, each sample in a worker of its own (workers: 2): the innocent's worker was the largest
+    # process when a burst of small forks filled the sandbox. It is scored again once the call's other samples are
+    # done (without that, it ends `crash`). The hog's forks end with it here: a worker's leftovers outlive its
+    # sample under isolation: worker, and would fill the sandbox for the second try as well. (gVisor has no OOM
+    # killer inside the sandbox: the allocation that finds it full fails, a MemoryError; see the README.)
+    innocent = "import time\ntime.sleep(1.5)\nx = b'\\x01' * (350 << 20)\nscore = 1.0"
+    with _guard_stopped(sandboxes, "run_worker"):
+        report = score(sandboxes, "run_worker", [_spread_hog(30, 20, hold_s=2.5), innocent])
+    assert (report.values[1], report.statuses[1], report.errors[1]) == (1.0, Status.OK, None), \
+        (report.values, report.statuses, report.errors)
 
 
 def test_a_sample_the_kernels_oom_killer_kills_twice_says_so_and_is_not_tried_a_third_time(sandboxes):
