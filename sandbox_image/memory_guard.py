@@ -238,10 +238,15 @@ class Guard:
         # for it. It moves the mark too, within the same half margin; it never restarts the sandbox: weighed as
         # memory that appeared since calm times, a hog whose own completion was padded (the server's copy of the
         # request) made every part of every retry restart, and every innocent of the batch ended unavailable (red
-        # teams, runc).
-        left = calm + min(self._grown(found), most_unheld - calm)
+        # teams, runc). What it grew by past that half margin (a batch of padded completions: the server held 120
+        # MiB of them several times over, and the guard killed a 400 MiB innocent: red team) weighs as what no
+        # process holds that appeared since calm times: the sandbox restarts when it takes the use past the mark.
+        grown = self._grown(found)
+        left = calm + min(grown, most_unheld - calm)
+        since = unheld - calm + grown - (left - calm)  # no sample's, appeared since calm times, not in the moved mark
         why = f"{pressure / _MIB:.0f} of the sandbox's {self.usage.limit / _MIB:.0f} MiB in use, {unheld / _MIB:.0f} " \
-              f"MiB of it held by no process nor any sample's files"
+              f"MiB of it held by no process nor any sample's files, {grown / _MIB:.0f} MiB more by the server than " \
+              f"in calm times"
         if now >= self.settle_until and unheld >= most_unheld:
             # Killing a sample would free none of it (gVisor keeps Unix sockets sent over themselves and what rides
             # in them; dentries), would take an innocent (red teams), and it leaves too little of the margin.
@@ -255,9 +260,9 @@ class Guard:
             self.next_check = now + min(self.usage.longest_sleep, max(MIN_INTERVAL_S, room / GROWTH_BYTES_PER_S))
             return None
         self.free_pass = 0
-        if now >= self.settle_until and unheld - calm >= max(MIN_MARGIN_BYTES, pressure - left - self.mark):
-            # What no process holds takes the use past the mark, and appeared since calm times: killing a sample
-            # would free none of it and take an innocent. (Less than MIN_MARGIN_BYTES is kernel memory coming and
+        if now >= self.settle_until and since >= max(MIN_MARGIN_BYTES, pressure - left - self.mark):
+            # What no process holds (or the server past the moved mark) takes the use past the mark, and appeared
+            # since calm times: killing a sample would free none of it and take an innocent. (Less than MIN_MARGIN_BYTES is kernel memory coming and
             # going with the samples' work: pipes, processes; a program's output through the runner took 5 MiB.)
             return self._restart(why, totals)
         if slot is None:

@@ -444,11 +444,18 @@ def test_what_the_server_holds_past_its_calm_level_moves_the_mark_and_never_rest
     sandbox(70, 490, 390)  # the samples' own memory passes the mark: the largest goes, no restart
     clock.t += 1.0
     assert guard.check() == SLOT and stopped == [1]
-    # The mark moves by half the margin at most: past it, the largest sample goes.
+    # The mark moves by half the margin at most. What the server grew by past it restarts the sandbox when it takes
+    # the use past the moved mark (a batch of padded completions: red team); samples past it on their own die.
     guard, stopped, killed, clock = _guard(usage, statuses, server=SERVER_PID)
     sandbox(20, 200, 390)
     assert guard.check() is None
-    sandbox(120, 450, 390)  # the server grew 100 MiB: past the mark moved by 64 (by 4 MiB)
+    sandbox(160, 400, 390)  # the server grew 140 MiB: 76 past the half margin, the use 32 past the moved mark
+    clock.t += 1.0
+    assert guard.check() == memory_guard.RESTART and not killed
+    guard, stopped, killed, clock = _guard(usage, statuses, server=SERVER_PID)
+    sandbox(20, 200, 390)
+    assert guard.check() is None
+    sandbox(120, 500, 390)  # the server 36 MiB past the half margin, the use 60 past the moved mark: the hog goes
     clock.t += 1.0
     assert guard.check() == SLOT
     # What the server keeps after a busy call becomes its calm level: it moves the mark no more.
