@@ -34,8 +34,12 @@ _OK_WIRE, _UNAVAILABLE_WIRE = Status.OK.wire, Status.UNAVAILABLE.wire
 SPLIT = 4  # each retry of a sample-style share sends its unscored samples in this many times more parts
 # CANCELLED reaches the client only when the server ended the call (an overloaded service sheds it): our own
 # cancellations end the coroutine instead.
+# UNKNOWN: the sandbox server raised what it did not expect (a bug of ours, not the reward's): the call is tried again
+# like any other failure of the sandbox, not given up (a broken pipe while a request was written lost whole batches
+# after one attempt: red team).
 TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                             grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED})
+                             grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED,
+                             grpc.StatusCode.UNKNOWN})
 
 
 class TransientSandboxError(Exception):

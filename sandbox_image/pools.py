@@ -740,8 +740,13 @@ class FunctionPool:
             PoolUnavailable: the template is gone.
         """
         ours.setblocking(False)
-        await asyncio.get_running_loop().sock_sendall(ours, codec.encode_request(batch, timeout_s, state, fork))
-        ours.shutdown(socket.SHUT_WR)
+        try:
+            await asyncio.get_running_loop().sock_sendall(ours, codec.encode_request(batch, timeout_s, state, fork))
+            ours.shutdown(socket.SHUT_WR)
+        except OSError:  # its process died while the request was written (the memory guard killed it: red team)
+            if self.dead is not None:
+                raise PoolUnavailable(f"reward {self.name!r}: {self.dead}") from None
+            return await self._died(request)
         # Waiting for a free slot has no deadline of its own: the RPC's deadline covers it.
         if await self._read_start(ours) is not None:
             return None

@@ -81,7 +81,10 @@ def test_a_transient_failure_is_retried_on_the_next_replica_with_only_the_unscor
     assert len(no_sleep.calls) == 1 and 0 <= no_sleep.calls[0] <= 0.5 * 2  # backoff with jitter
 
 
-@pytest.mark.parametrize("code", [grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED])
+# UNKNOWN: the sandbox server raised what it did not expect (a broken pipe while it wrote a request lost whole
+# batches after one attempt: red team)
+@pytest.mark.parametrize("code", [grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  grpc.StatusCode.UNKNOWN])
 def test_every_transient_code_is_retried(tmp_path, code):
     s, [fake] = start(tmp_path, {"retries": 1})
     fake.script = [code]
