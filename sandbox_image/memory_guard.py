@@ -30,7 +30,7 @@ mark); what appears while samples run is no room for anyone. Past half the margi
 times takes the use past the mark on its own (MIN_MARGIN_BYTES or more), the supervisor ends instead: the server
 reports NOT_SERVING, and the host starts the sandbox afresh, which frees it. What the server process holds past its
 calm level (the call's request, its samples' answers and output, until it replies: :meth:`Guard._grown`) moves the
-mark as well, within the same half margin, and never restarts the sandbox. The same happens once slot tmpfs that gVisor could not free (:func:`.private_tmp.renew`) hold a quarter of the limit.
+mark as well, within the same half margin; past it, it weighs as what no process holds that appeared since. The same happens once slot tmpfs that gVisor could not free (:func:`.private_tmp.renew`) hold a quarter of the limit.
 
 It polls: one read of one file (gVisor: a few, kept open) while there is room, more often the closer the mark is
 (the time memory takes to grow to it at GROWTH_BYTES_PER_S, within MIN_INTERVAL_S and MAX_INTERVAL_S, a fifth of
