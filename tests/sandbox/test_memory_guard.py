@@ -420,7 +420,7 @@ def test_what_the_figures_count_twice_in_calm_times_hides_no_phantom_memory_late
 SERVER_PID, SERVER_UID = 5, 999
 
 
-def test_what_the_server_holds_past_its_calm_level_moves_the_mark_and_never_restarts_the_sandbox():
+def test_what_the_server_holds_past_its_calm_level_moves_the_mark_by_half_the_margin_at_most_and_kills_no_innocent():
     # The server holds a call's request (about six times its completions) and its samples' answers and output until
     # it replies: thousands of chatty samples grew it 80 MiB past its calm level, and the largest sample near the
     # mark, an innocent, was killed for it (red team, runc). Weighed as memory that appeared since calm times instead,
