@@ -458,6 +458,14 @@ def test_what_the_server_holds_past_its_calm_level_moves_the_mark_by_half_the_ma
     sandbox(120, 500, 390)  # the server 36 MiB past the half margin, the use 60 past the moved mark: the hog goes
     clock.t += 1.0
     assert guard.check() == SLOT
+    # However little of the server's growth past the half margin takes the use past the moved mark, it restarts
+    # (64 KiB completions grew it 90 MiB beside a 787 MiB innocent, which was killed: red team).
+    guard, stopped, killed, clock = _guard(usage, statuses, server=SERVER_PID)
+    sandbox(20, 200, 390)
+    assert guard.check() is None
+    sandbox(110, 456, 390)  # the server 26 MiB past the half margin, the use 6 past the moved mark
+    clock.t += 1.0
+    assert guard.check() == memory_guard.RESTART and not killed
     # What the server keeps after a busy call becomes its calm level: it moves the mark no more.
     guard, stopped, killed, clock = _guard(usage, statuses, server=SERVER_PID)
     for _ in range(memory_guard.CALIBRATIONS):
