@@ -30,7 +30,8 @@ mark); what appears while samples run is no room for anyone. Past half the margi
 times takes the use past the mark on its own (MIN_MARGIN_BYTES or more), the supervisor ends instead: the server
 reports NOT_SERVING, and the host starts the sandbox afresh, which frees it. What the server process holds past its
 calm level (the call's request, its samples' answers and output, until it replies: :meth:`Guard._grown`) moves the
-mark as well, within the same half margin; past it, it weighs as what no process holds that appeared since. The same happens once slot tmpfs that gVisor could not free (:func:`.private_tmp.renew`) hold a quarter of the limit.
+mark as well, within the same half margin; past it, it weighs as what no process holds that appeared since. The
+same happens once slot tmpfs that gVisor could not free (:func:`.private_tmp.renew`) hold a quarter of the limit.
 
 It polls: one read of one file (gVisor: a few, kept open) while there is room, more often the closer the mark is
 (the time memory takes to grow to it at GROWTH_BYTES_PER_S, within MIN_INTERVAL_S and MAX_INTERVAL_S, a fifth of
@@ -233,14 +234,12 @@ class Guard:
         # kernel's OOM killer took an innocent before the guard acted (red team).
         calm = min(unheld, self.calm_unheld, most_unheld)
         # What the server holds past its calm level is no sample's either: the call's request (about six times the
-        # size of its completions) and its samples' answers and output, until it replies. Counted against the use,
-        # thousands of chatty samples grew it 80 MiB and the largest sample near the mark, an innocent, was killed
-        # for it. It moves the mark too, within the same half margin; it never restarts the sandbox: weighed as
-        # memory that appeared since calm times, a hog whose own completion was padded (the server's copy of the
-        # request) made every part of every retry restart, and every innocent of the batch ended unavailable (red
-        # teams, runc). What it grew by past that half margin (a batch of padded completions: the server held 120
-        # MiB of them several times over, and the guard killed a 400 MiB innocent: red team) weighs as what no
-        # process holds that appeared since calm times: the sandbox restarts when it takes the use past the mark.
+        # size of its completions) and its samples' answers and output, until it replies (counted as processes'
+        # memory, thousands of chatty samples grew it 80 MiB and an innocent near the mark was killed for it).
+        # Within the same half margin it moves the mark: weighed from its first MiB as memory that appeared since
+        # calm times, a hog whose own completion was padded made every part of every retry restart, and every
+        # innocent ended unavailable. Past that half margin it is weighed so, as ``excess`` (a batch of padded
+        # completions, held several times over, got a 400 MiB innocent killed). (Red teams, runc.)
         grown = self._grown(found)
         left = calm + min(grown, most_unheld - calm)
         excess = grown - (left - calm)  # what the server grew by past the moved mark
@@ -264,10 +263,11 @@ class Guard:
         if now >= self.settle_until and (since >= max(MIN_MARGIN_BYTES, pressure - left - self.mark)
                                          or 0 < excess >= pressure - left - self.mark):
             # What no process holds (or the server past the moved mark) takes the use past the mark, and appeared
-            # since calm times: killing a sample would free none of it and take an innocent. (The server's figure
-            # is exact, and no sample's work: any of it that does so restarts. Held to MIN_MARGIN_BYTES, 64 KiB
-            # completions grew the server 90 MiB, and a 787 MiB innocent was killed in 6 of 10 batches: red team.) (Less than MIN_MARGIN_BYTES is kernel memory coming and
-            # going with the samples' work: pipes, processes; a program's output through the runner took 5 MiB.)
+            # since calm times: killing a sample would free none of it and take an innocent. Less than
+            # MIN_MARGIN_BYTES of the kernel's own is memory coming and going with the samples' work (pipes,
+            # processes; a program's output through the runner took 5 MiB). The server's figure is exact: any of its
+            # excess that does so restarts (held to MIN_MARGIN_BYTES too, 64 KiB completions grew the server 90 MiB
+            # and a 787 MiB innocent was killed in 6 of 10 batches: red team).
             return self._restart(why, totals)
         if slot is None:
             return None

@@ -235,8 +235,9 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
         in_scores = False
         if request.sample_details:
             n = len(result.values)
-            in_scores = len(result.sample_logs) == n and fp.style != "batch" and not result.shared_logs
-            alone = result.sample_logs if len(result.sample_logs) == n and fp.style != "batch" else [""] * n
+            own = len(result.sample_logs) == n and fp.style != "batch"  # each sample's output is its own
+            in_scores = own and not result.shared_logs
+            alone = result.sample_logs if own else [""] * n
             times = result.sample_seconds if len(result.sample_seconds) == n else [None] * n
             scores = [
                 pb.Score(value=value, status=status.wire, error=error, logs=own, seconds=took)
