@@ -119,6 +119,7 @@ class _Channel:
 
 
 _channel: Optional[_Channel] = None
+_channel_fd: Optional[int] = None  # the sandbox's socket for this process, made a channel on first use
 _channel_pid = 0
 _channel_lock = _thread.allocate_lock()
 _unavailable = ""  # why this process may not run programs at all
@@ -127,9 +128,19 @@ _unavailable = ""  # why this process may not run programs at all
 def attach(fd: Optional[int], why_not: str = "") -> None:
     """Called by the sandbox in a slot process before reward code runs: ``fd`` is its socket to the runner (None:
     programs cannot run here, for ``why_not``; never a fallback to running them as the reward's own uid)."""
-    global _channel, _channel_pid, _unavailable
-    _channel = _Channel(socket.socket(fileno=fd)) if fd is not None else None
+    global _channel, _channel_fd, _channel_pid, _unavailable
+    # Made a channel on first use: most samples a slot process forks never run a program, and every object made
+    # in such a child is a page it copies.
+    _channel, _channel_fd = None, fd
     _channel_pid, _unavailable = os.getpid(), why_not
+
+
+def _attached() -> Optional[_Channel]:
+    """The channel on the socket the sandbox attached to this process, made now if it was not yet."""
+    global _channel, _channel_fd
+    if _channel is None and _channel_fd is not None and _channel_pid == os.getpid():
+        _channel, _channel_fd = _Channel(socket.socket(fileno=_channel_fd)), None
+    return _channel
 
 
 def attach_child(fd: Optional[int]) -> None:
@@ -137,12 +148,15 @@ def attach_child(fd: Optional[int]) -> None:
     runner (None: its parent could not run programs either, or the runner is gone). Never the parent's channel."""
     if _channel is not None:
         _channel.sock.close()
+    elif _channel_fd is not None:
+        os.close(_channel_fd)
     attach(fd, "" if fd is not None else _unavailable or "the program runner is gone (see the sandbox's log)")
 
 
 def attached_socket() -> Optional[socket.socket]:
     """The socket to the runner the sandbox attached to this process (None: none)."""
-    return _channel.sock if _channel is not None and _channel.process is None else None
+    channel = _attached()
+    return channel.sock if channel is not None and channel.process is None else None
 
 
 def _connect() -> _Channel:
@@ -151,6 +165,7 @@ def _connect() -> _Channel:
     with _channel_lock:
         if _unavailable:
             raise RunnerUnavailable(_unavailable)
+        _attached()
         if _channel is None or _channel_pid != os.getpid():
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             env = dict(os.environ)

@@ -39,6 +39,7 @@ it has no answer for: stopping it (SIGSTOP) makes that unit a ``timeout``, as a 
 
 from __future__ import annotations
 
+import _signal
 import mmap
 import os
 import select
@@ -57,6 +58,8 @@ DONE = b"D"  # the child wrote its answer
 # Past the reward's own timeout (which the child enforces itself and answers as ``timeout``), the slot process kills
 # the child: less than the server's HARD_TIMEOUT_MARGIN_S, so the server still gets this unit's answer in time.
 KILL_MARGIN_S = 0.5
+# Not the ones a slot process wraps to report a sample's own uses (.reuse): these calls are this trusted code's.
+_set_handler, _set_wakeup_fd = _signal.signal, _signal.set_wakeup_fd
 
 
 @dataclass
@@ -70,19 +73,33 @@ class Forker:
     reaper: bool = False
     wake: tuple = ()
 
+    def arm(self) -> None:
+        """Before a request's first unit: each SIGCHLD from now on writes a byte into a pipe that the wait for a
+        unit's child watches (:func:`_wait`), so what a unit's forks orphan is reaped at once, as the template does
+        for its slot processes (a fork storm's zombies would otherwise fill the uid's process limit between two
+        reaps). Once per request, not per unit: each child puts SIGCHLD back as it was (:func:`_quiet`)."""
+        if not self.reaper:
+            processes.become_subreaper()  # what its children leave becomes its own child: see kill_descendants
+            self.reaper = True
+            self.wake = os.pipe()
+            for fd in self.wake:
+                os.set_blocking(fd, False)
+        _set_wakeup_fd(self.wake[1])
+        _set_handler(signal.SIGCHLD, _ignore)
+
+    def disarm(self) -> None:
+        """After a request's last unit (reward code may run in this process again: SIGCHLD as it was)."""
+        _quiet()
+        if self.wake:
+            _drain(self.wake[0])
+
     def run(self, score: Callable[[], bytes], samples: int, timeout_s: float, max_log_bytes: int,
             request_fd: int, attach: Callable[[Optional[int]], None],
             send: Callable[[memoryview, Optional[str]], None]) -> Optional[str]:
         """Runs ``score`` (which returns one unit's encoded answer) in a child, cleans up after it, and calls
         ``send(answer, retire)`` with its answer, checked, or the unit's failure, and why the slot process must
         retire (None: it may go on), which it also returns. The request's socket ``request_fd`` is closed in the
-        child; ``attach(fd)`` gives the child its runner socket."""
-        if not self.reaper:
-            processes.become_subreaper()  # what its children leave becomes its own child: see kill_descendants
-            self.reaper = True
-            self.wake = os.pipe()  # a byte per SIGCHLD while a unit runs (see _run)
-            for fd in self.wake:
-                os.set_blocking(fd, False)
+        child; ``attach(fd)`` gives the child its runner socket. Between :meth:`arm` and :meth:`disarm`."""
         limit = codec.result_limit(samples, max_log_bytes)
         # Shared with the child, which writes its answer there: the answer never passes through this process's heap,
         # where the next child (a copy of this process) could find it.
@@ -96,6 +113,24 @@ class Forker:
              max_log_bytes: int, request_fd: int, attach: Callable, send: Callable) -> Optional[str]:
         child_end, runner_end = runner_socket(self.runner)
         read_end, write_end = os.pipe()
+        handed: list = []  # once the child first wrote to (or closed) its runner socket: whether the runner took it
+
+        def hand_over_runner() -> None:
+            handed.append(hand_over(self.runner, runner_end))
+            if not handed[0]:  # the runner is gone: the child's program calls end now (EOF), not at its deadline
+                runner_end.close()
+
+        reaped: dict = {}  # the child's wait status, where it was reaped while the unit ran
+
+        def reap() -> None:
+            # What the unit's own forks orphan comes to this process (their subreaper): a zombie still counts toward
+            # the uid's process limit, so left unreaped until the unit ends, they would stop its forks halfway.
+            for child, wait_status in processes.exited_children():
+                reaped[child] = wait_status
+
+        # All that the wait needs is made before the fork: a page this process writes while the child lives is
+        # copied (the child holds the original), several times the cost of the same write once the child is gone.
+        poller = _poller(read_end, self.wake[0], runner_end)
         try:
             pid = os.fork()
         except OSError as e:
@@ -109,6 +144,7 @@ class Forker:
         if pid == 0:
             code = 70
             try:
+                _quiet()  # SIGCHLD's default action, and no wake-up descriptor (it is this process's to close)
                 processes.set_name("rbx-sample")
                 os.close(read_end)
                 for fd in (request_fd, *self.close, *self.wake,
@@ -126,47 +162,29 @@ class Forker:
         os.close(write_end)
         if child_end is not None:
             os.close(child_end)
-        handed: list = []  # once the child first wrote to (or closed) its runner socket: whether the runner took it
-
-        def hand_over_runner() -> None:
-            handed.append(hand_over(self.runner, runner_end))
-            if not handed[0]:  # the runner is gone: the child's program calls end now (EOF), not at its deadline
-                runner_end.close()
-
-        reaped: dict = {}  # the child's wait status, where it was reaped while the unit ran
-
-        def reap() -> None:
-            # What the unit's own forks orphan comes to this process (their subreaper): a zombie still counts toward
-            # the uid's process limit, so left unreaped until the unit ends, they would stop its forks halfway.
-            for child, wait_status in processes.exited_children():
-                if child == pid:
-                    reaped[pid] = wait_status
-
-        # While the unit runs, each SIGCHLD wakes _wait, which reaps at once, as the template does for its slot
-        # processes (a fork storm's zombies would otherwise fill the uid's process limit between two reaps). Set
-        # after the fork, so the child keeps SIGCHLD's default action; what exited before is reaped on the next tick.
-        signal.set_wakeup_fd(self.wake[1])
-        signal.signal(signal.SIGCHLD, _ignore)
         try:
-            failed, why = _wait(read_end, time.monotonic() + timeout_s + KILL_MARGIN_S, runner_end, hand_over_runner,
-                                reap, self.wake[0])
+            failed, why = _wait(poller, read_end, time.monotonic() + timeout_s + KILL_MARGIN_S, runner_end,
+                                hand_over_runner, reap, self.wake[0])
         finally:
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            signal.set_wakeup_fd(-1)
+            # First: nothing of the unit is left (its memory gone with it: what this process writes from here on
+            # is no longer copied).
+            status, retire = None, None
+            try:
+                status = processes.kill_descendants(pid)
+            except OSError as e:
+                retire = f"what a sample left could not be removed: {e}"
             os.close(read_end)
             if runner_end is not None:
                 runner_end.close()
-        status, retire = None, None
+        status = reaped.get(pid, status)
         try:
-            status = processes.kill_descendants(pid)
-            status = reaped.get(pid, status)
-            processes.empty(self.scratch)
-            if processes.unnamed_bytes(self.scratch):
+            _drain(self.wake[0])  # its SIGCHLDs' bytes would wake the next unit's wait for nothing
+            if processes.empty_own_tmpfs(self.scratch):
                 # Held by something no kill reaches (gVisor: a Unix socket sent over itself): the slot's next
                 # process gets a fresh tmpfs (slot.prepare).
-                retire = "its /tmp still holds data no file name reaches"
+                retire = retire or "its /tmp still holds data no file name reaches"
         except OSError as e:
-            retire = f"what a sample left could not be removed: {e}"
+            retire = retire or f"what a sample left could not be removed: {e}"
         if handed and not (handed[0] and run_requests.release(self.runner)):
             # Its next process gets a socket of its own, and with it a monitor of its own.
             retire = retire or "the program runner is gone, or did not let go of a finished sample's socket"
@@ -234,32 +252,46 @@ REAP_EVERY_S = 0.02  # while a unit runs, what exited of its processes is reaped
 
 
 def _ignore(signum, frame) -> None:
-    """SIGCHLD's handler while a unit runs: the wake-up byte is what counts."""
+    """SIGCHLD's handler while a request runs: the wake-up byte is what counts."""
 
 
-def _wait(done: int, deadline: float, runner_end: Optional[socket.socket], hand_over_runner: Callable[[], None],
-          reap: Callable[[], None], woken: int) -> tuple[Status, str]:
-    """Waits for the child's DONE byte on ``done``: (ok when it came, timeout when the deadline passed first, crash
-    when the pipe closed without it, invalid when something else came; and what to add). Meanwhile, the first time
-    the child writes to (or closes) its runner socket, ``hand_over_runner()`` passes the other end, ``runner_end``,
-    to the runner, and ``reap()`` runs whenever ``woken`` (a SIGCHLD wake-up pipe) is readable, and at least every
-    REAP_EVERY_S."""
+def _quiet() -> None:
+    _set_handler(signal.SIGCHLD, _signal.SIG_DFL)  # the raw function takes the raw constant, not the enum
+    _set_wakeup_fd(-1)
+
+
+def _drain(fd: int) -> None:
+    """Empties a non-blocking pipe that only this process reads (one short read, where it held less than asked)."""
+    try:
+        while len(os.read(fd, 4096)) == 4096:
+            pass
+    except BlockingIOError:
+        pass
+
+
+def _poller(done: int, woken: int, runner_end: Optional[socket.socket]) -> select.poll:
     poller = select.poll()
     poller.register(done, select.POLLIN)
     poller.register(woken, select.POLLIN)
     if runner_end is not None:
         poller.register(runner_end, select.POLLIN)
+    return poller
+
+
+def _wait(poller: select.poll, done: int, deadline: float, runner_end: Optional[socket.socket],
+          hand_over_runner: Callable[[], None], reap: Callable[[], None], woken: int) -> tuple[Status, str]:
+    """Waits for the child's DONE byte on ``done``: (ok when it came, timeout when the deadline passed first, crash
+    when the pipe closed without it, invalid when something else came; and what to add). Meanwhile, the first time
+    the child writes to (or closes) its runner socket, ``hand_over_runner()`` passes the other end, ``runner_end``,
+    to the runner, and ``reap()`` runs whenever ``woken`` (a SIGCHLD wake-up pipe) is readable, and at least every
+    REAP_EVERY_S (``poller`` watches all three: :func:`_poller`)."""
     while True:
         left = deadline - time.monotonic()
         events = poller.poll(min(left, REAP_EVERY_S) * 1000) if left > 0 else []
         if any(fd == done for fd, _ in events):
             break
         if any(fd == woken for fd, _ in events) or (not events and left > REAP_EVERY_S):
-            try:
-                while os.read(woken, 4096):
-                    pass
-            except BlockingIOError:
-                pass
+            _drain(woken)
             reap()
             continue
         if not events:

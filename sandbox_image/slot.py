@@ -313,13 +313,14 @@ async def _score_units(loaded: worker.Loaded, sock: socket.socket, request: code
                 sock.sendall(codec.RETIRING)
                 return False
             sock.sendall(codec.FORKING)
+            forker.arm()
         for k, indices in enumerate(_units(loaded, request)):
             if forker is not None:
                 def score(indices=indices) -> bytes:  # in the child
                     samples = request.take(indices)
                     request.close()  # the other samples' text leaves the child before the reward sees its own
                     started = time.perf_counter()
-                    outcomes, logs, dropped = _run_coroutine(_score_unit(loaded, samples, timeout_s, trainer_state))
+                    outcomes, logs, dropped = _score_unit_sync(loaded, samples, timeout_s, trainer_state)  # sync only
                     return codec.encode_result(outcomes, logs, dropped, max_log_bytes, time.perf_counter() - started)
 
                 def send(answer, retire: Optional[str], k: int = k) -> None:
@@ -356,6 +357,9 @@ async def _score_units(loaded: worker.Loaded, sock: socket.socket, request: code
         return reuse.flush() is None and retire is None
     except OSError:
         return False  # the server gave up on this request (its deadline passed)
+    finally:
+        if forker is not None:
+            forker.disarm()
 
 
 def _handle_stream(loaded: worker.Loaded, fd: int, reusable: bool, forker: Optional[forked.Forker] = None) -> bool:
