@@ -79,6 +79,12 @@ def _error(outcome) -> str:
     return (outcome.errors[0] if isinstance(outcome, ChunkResult) else outcome.error) or "crash"
 
 
+def _killed_twice(outcome) -> Outcome:
+    """The final outcome of a sample whose process died while the kernel's OOM killer acted, in its second attempt
+    too (the first is scored again: see oom_kills)."""
+    return Outcome.failed(Status.CRASH, f"{_error(outcome)}; {OOM_TWICE}")
+
+
 @functools.cache
 def _usage() -> Optional[memory_use.Usage]:
     """The sandbox's memory cgroup (:func:`.memory_use.find_usage`), found once."""
@@ -385,7 +391,7 @@ class FunctionPool:
                     victims.append(i)
                     again.add(i)
                     return
-                outcome = Outcome.failed(Status.CRASH, f"{_error(outcome)}; {OOM_TWICE}")
+                outcome = _killed_twice(outcome)
             outcomes[i] = outcome
 
         async def run_requests() -> None:
@@ -483,7 +489,7 @@ class FunctionPool:
                  "scored again, in a fresh process", self.name)
         (done, failed, oom), = await self._requests(batch, [i], timeout_s, state)
         if failed is not None and oom and _crashed(failed):
-            failed = Outcome.failed(Status.CRASH, f"{_error(failed)}; {OOM_TWICE}")
+            failed = _killed_twice(failed)
         return done, failed
 
     async def _score_call(self, batch: SampleBatch, timeout_s: float, state: Optional[dict]) -> BatchResult:

@@ -1,7 +1,6 @@
-"""The records that cross the boundary between the sandbox server and its worker processes.
-
-Frozen dataclasses with plain fields, one per kind of message: what a worker is configured with, what it is asked
-to score, what it answers. A batch travels column by column (lists of strings and numbers, not one object per
+"""The records that cross the boundary between the sandbox server and its worker processes. Dataclasses with plain
+fields (frozen but for :class:`SampleBatch`), one per kind of message: what a worker is configured with, what it is
+asked to score, what it answers. A batch travels column by column (lists of strings and numbers, not one object per
 sample): per-sample objects cost more to make and move than the samples themselves. Standard library only: the
 worker module that uses them is preloaded into the fork server.
 """
@@ -33,9 +32,10 @@ class WorkerConfig:
     args_json: str = ""  # a factory's keyword arguments (JSON object); "": ``function`` is the reward
 
 
-@dataclass(frozen=True)
+@dataclass
 class SampleBatch:
-    """Samples as the reward function receives them, one list entry per sample."""
+    """Samples as the reward function receives them, one list entry per sample. Not frozen: under ``isolation:
+    sample`` one is made per sample, and a frozen dataclass's ``__init__`` costs three times as much."""
 
     prompts: list
     completions: list

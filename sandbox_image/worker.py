@@ -192,14 +192,14 @@ def load(config: WorkerConfig) -> Loaded:
     return resolve_function(config, load_module(config))
 
 
-class _BoundedWriter(io.TextIOBase):
-    """A text sink that keeps the first ``limit`` characters and counts the rest."""
+class _BoundedWriter:
+    """A text sink that keeps the first ``limit`` characters and counts the rest (what ``sys.stdout`` writes to:
+    :class:`_ToRequestSink`). A plain class: one is made per sample under ``isolation: sample``."""
+
+    __slots__ = ("limit", "parts", "size", "dropped")
 
     def __init__(self, limit: int):
         self.limit, self.parts, self.size, self.dropped = limit, [], 0, 0
-
-    def writable(self) -> bool:
-        return True
 
     def write(self, s: str) -> int:
         if not isinstance(s, str):
