@@ -1,8 +1,8 @@
 """The records that cross the boundary between the sandbox server and its worker processes. Dataclasses with plain
-fields (frozen, but for the two made once per sample), one per kind of message: what a worker is configured with, what it is
-asked to score, what it answers. A batch travels column by column (lists of strings and numbers, not one object per
-sample): per-sample objects cost more to make and move than the samples themselves. Standard library only: the
-worker module that uses them is preloaded into the fork server.
+fields (frozen, but for the two made once per sample), one per kind of message: what a worker is configured with,
+what it is asked to score, what it answers. A batch travels column by column (lists of strings and numbers, not one
+object per sample): per-sample objects cost more to make and move than the samples themselves. Standard library
+only: the worker module that uses them is preloaded into the fork server.
 """
 
 from __future__ import annotations
