@@ -55,9 +55,11 @@ from . import codec, processes, run_requests
 
 _LENGTH = struct.Struct("<I")
 DONE = b"D"  # the child wrote its answer
-# Past the reward's own timeout (which the child enforces itself and answers as ``timeout``), the slot process kills
-# the child: less than the server's HARD_TIMEOUT_MARGIN_S, so the server still gets this unit's answer in time.
-KILL_MARGIN_S = 0.5
+# The child sets no timer of its own (:func:`.worker._timed`: three system calls and the pages they touch, in every
+# child): the slot process kills it at the unit's deadline, its timeout_s from the fork and this for the child's own
+# start (its fork and its sample's decoding take about a millisecond), and answers ``timeout``. Well under the
+# server's HARD_TIMEOUT_MARGIN_S, so the server still gets this unit's answer in time.
+START_ALLOWANCE_S = 0.05
 # Not the ones a slot process wraps to report a sample's own uses (.reuse): these calls are this trusted code's.
 _set_handler, _set_wakeup_fd = _signal.signal, _signal.set_wakeup_fd
 
@@ -163,7 +165,7 @@ class Forker:
         if child_end is not None:
             os.close(child_end)
         try:
-            failed, why = _wait(poller, read_end, time.monotonic() + timeout_s + KILL_MARGIN_S, runner_end,
+            failed, why = _wait(poller, read_end, time.monotonic() + timeout_s + START_ALLOWANCE_S, runner_end,
                                 hand_over_runner, reap, self.wake[0])
         finally:
             # First: nothing of the unit is left (its memory gone with it: what this process writes from here on

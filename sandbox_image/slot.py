@@ -280,7 +280,7 @@ async def _score_unit(loaded: worker.Loaded, samples, timeout_s: float, state) -
         return _internal_error(len(samples))
 
 
-def _score_unit_sync(loaded: worker.Loaded, samples, timeout_s: float, state) -> tuple:
+def _score_unit_sync(loaded: worker.Loaded, samples, timeout_s: Optional[float], state) -> tuple:
     """:func:`_score_unit` of a sync function, without a coroutine (one a sample: a regex reward's 1,024 samples
     spent a tenth of their time making and running them)."""
     try:
@@ -320,7 +320,8 @@ async def _score_units(loaded: worker.Loaded, sock: socket.socket, request: code
                     samples = request.take(indices)
                     request.close()  # the other samples' text leaves the child before the reward sees its own
                     started = time.perf_counter()
-                    outcomes, logs, dropped = _score_unit_sync(loaded, samples, timeout_s, trainer_state)  # sync only
+                    # No timer of its own (its process's three system calls): forked.Forker ends it at the deadline
+                    outcomes, logs, dropped = _score_unit_sync(loaded, samples, None, trainer_state)  # sync only
                     return codec.encode_result(outcomes, logs, dropped, max_log_bytes, time.perf_counter() - started)
 
                 def send(answer, retire: Optional[str], k: int = k) -> None:

@@ -227,6 +227,8 @@ def _check(value: Any) -> Outcome:
     """The outcome for what the function returned: a finite float (ints and bools count) or None."""
     if value is None:
         return Outcome(None, Status.OK)
+    if type(value) is float and math.isfinite(value):  # the common case, without the ABC check below
+        return Outcome(value, Status.OK)
     if isinstance(value, numbers.Real):  # int, bool (1.0/0.0, as TRL takes them), numpy scalars
         try:
             f = float(value)
@@ -311,8 +313,14 @@ def _batch_outcomes(result: Any, n: int) -> list:
     return [_guarded(lambda v=v: _check(v)) for v in values]
 
 
-def _timed(call: Callable[[], Any], timeout_s: float) -> tuple:
-    """(what ``call`` returned, None), or (None, the Outcome of its timeout or exception)."""
+def _timed(call: Callable[[], Any], timeout_s: Optional[float]) -> tuple:
+    """(what ``call`` returned, None), or (None, the Outcome of its timeout or exception). ``timeout_s`` None: no
+    timer, the caller ends the call at its deadline (a forked sample's slot process: :mod:`.forked`)."""
+    if timeout_s is None:
+        try:
+            return call(), None
+        except BaseException as e:  # noqa: BLE001 - user code may raise anything, SystemExit included
+            return None, _error(e)
     try:
         if _getsignal(signal.SIGALRM) is not _on_alarm:  # the user's code may have installed its own
             _signal_handler(signal.SIGALRM, _on_alarm)
@@ -413,9 +421,11 @@ def _captured(limit: int):
         _SINK.reset(token)
 
 
-def score_sample(loaded: Loaded, batch: SampleBatch, i: int, timeout_s: float, state: Optional[TrainerState]) -> tuple:
+def score_sample(loaded: Loaded, batch: SampleBatch, i: int, timeout_s: Optional[float],
+                 state: Optional[TrainerState]) -> tuple:
     """Scores sample ``i`` of a batch with a sync sample-style function. Returns (outcome, logs, dropped
-    characters): the same as :func:`score` of that sample alone, without making a one-sample batch."""
+    characters): the same as :func:`score` of that sample alone, without making a one-sample batch. ``timeout_s``
+    None: see :func:`_timed`."""
     sink = _BoundedWriter(loaded.config.max_log_bytes)
     token = _SINK.set(sink)
     try:
