@@ -6,6 +6,7 @@ slot processes and the program runner alike; standard library only (ctypes for p
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import signal
 import stat
@@ -320,13 +321,29 @@ def empty_own_tmpfs(directory: str) -> int:
     info = os.statvfs(directory)
     if info.f_files > 0 and info.f_files - info.f_ffree == 1 and info.f_blocks > 0 and info.f_blocks == info.f_bfree:
         os.chmod(directory, stat.S_IRWXU)
+        _clear_attributes(directory)
         return 0
     empty(directory)
     return unnamed_bytes(directory)
 
 
+def _clear_attributes(directory) -> None:
+    """Removes the extended attributes of ``directory`` (a path or an open descriptor), the one inode that outlives
+    what a sample leaves: a default ACL there (a tmpfs keeps POSIX ACLs) would set the mode of every file a later
+    sample makes in it, and a ``user.`` attribute would carry data to later samples (red team, runc)."""
+    try:
+        names = os.listxattr(directory)
+    except OSError as e:
+        if e.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):  # a file system without them (gVisor's, some)
+            return
+        raise
+    for name in names:
+        os.removexattr(directory, name)
+
+
 def empty(directory: str) -> None:
-    """Removes everything in ``directory``, however deep, as its owner.
+    """Removes everything in ``directory``, however deep, as its owner, and its own mode and extended attributes
+    go back to what they were (owner only, none).
 
     Iterative and relative to open directories: a tree deeper than the recursion limit or longer than PATH_MAX
     is flattened, one subdirectory at a time, into the top directory (renamed there under a fresh name), so at most
@@ -339,6 +356,7 @@ def empty(directory: str) -> None:
     counter = 0
     try:
         os.fchmod(top, stat.S_IRWXU)
+        _clear_attributes(top)
         while True:
             with os.scandir(top) as entries:
                 names = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]

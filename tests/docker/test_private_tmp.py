@@ -127,6 +127,30 @@ def snoop():
         time.sleep(0.05)
     print(sorted(read))
     return float(not any("SECRET" in text for text in read))
+
+
+def marks(prompt, completion, example):
+    """"mark" plants on /tmp itself what its files' removal leaves: an extended attribute, and a default ACL that
+    takes every permission from the files later samples make there. Every sample then looks for both."""
+    exec("0")  # code from data: under isolation: sample, the reward's later samples run forked
+    if completion == "mark":
+        import struct
+        # ACL_USER_OBJ, ACL_GROUP_OBJ, ACL_MASK, ACL_OTHER, each with no permission
+        acl = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", tag, 0, 0xFFFFFFFF) for tag in (1, 4, 16, 32))
+        for name, value in (("user.planted", b"from another sample"), ("system.posix_acl_default", acl)):
+            try:
+                os.setxattr("/tmp", name, value)
+                print("planted", name)
+            except OSError as e:  # gVisor's tmpfs takes no ACL
+                print("could not plant", name, e)
+    try:
+        names = os.listxattr("/tmp")
+    except OSError:
+        names = []
+    fd, path = tempfile.mkstemp(dir="/tmp")
+    os.close(fd)
+    print(completion, "sees", names, oct(os.stat(path).st_mode & 0o777))
+    return 1.0 if completion == "mark" else float(not names and os.access(path, os.R_OK | os.W_OK))
 '''
 TIMEOUT_S = 20.0
 
@@ -137,7 +161,8 @@ def sandboxes(request, tmp_path_factory, docker_client, base_image):
     started = sandboxes_on_runtime(request, tmp_path_factory, docker_client, base_image, REWARDS, [
         {"name": "plain", **common}, {"name": "plain_fresh", "function": "plain", "isolation": "process", **common},
         {"name": "tmp_is_home", **common}, {"name": "program", **common}, {"name": "escape", **common},
-        {"name": "hold_or_snoop", **common}],
+        {"name": "hold_or_snoop", **common}, {"name": "marks", **common},
+        {"name": "marks_fresh", "function": "marks", "isolation": "process", **common}],
         private_tmp="on")  # a sandbox that cannot make it fails to start, and the tests with it
     yield started
     started.stop()
@@ -157,6 +182,17 @@ def test_rewards_that_write_to_tmp_by_name_work_and_a_planted_module_reaches_no_
     # later samples, whichever processes they get: nothing of the batch before is in their /tmp
     later = score(sandboxes, reward, ["f"] * 8)
     assert list(zip(later.values, later.statuses)) == [(1.0, Status.OK)] * 8, (later.errors, later.logs[-2000:])
+
+
+@pytest.mark.parametrize("reward", ["marks", "marks_fresh"])
+def test_what_a_sample_sets_on_tmp_itself_reaches_no_later_sample(sandboxes, reward):
+    # red team (runc): the files were removed after each sample, but /tmp's own extended attributes and default ACL
+    # stayed: data for later samples, and files they made there that their owner could not read (gVisor: a user.
+    # attribute stayed; its tmpfs takes no ACL)
+    first = score(sandboxes, reward, ["look", "mark", "look", "look", "look", "mark", "look", "look"])
+    assert first.statuses == [Status.OK] * 8, (first.errors, first.logs[-2000:])
+    later = score(sandboxes, reward, ["look"] * 8)
+    assert first.values == [1.0] * 8 and later.values == [1.0] * 8, (first.logs[-3000:], later.logs[-3000:])
 
 
 def test_tmp_is_the_samples_home_cwd_and_tempdir(sandboxes):
