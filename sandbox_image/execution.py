@@ -123,12 +123,14 @@ _channel_fd: Optional[int] = None  # the sandbox's socket for this process, made
 _channel_pid = 0
 _channel_lock = _thread.allocate_lock()
 _unavailable = ""  # why this process may not run programs at all
+_sandboxed = False  # attached to a sandbox's runner: programs run through it, or not at all
 
 
 def attach(fd: Optional[int], why_not: str = "") -> None:
     """Called by the sandbox in a slot process before reward code runs: ``fd`` is its socket to the runner (None:
     programs cannot run here, for ``why_not``; never a fallback to running them as the reward's own uid)."""
-    global _channel, _channel_fd, _channel_pid, _unavailable
+    global _channel, _channel_fd, _channel_pid, _unavailable, _sandboxed
+    _sandboxed = fd is not None or bool(why_not)  # not the local backend's (no uid of their own: a helper runs them)
     # Made a channel on first use: most samples a slot process forks never run a program, and every object made
     # in such a child is a page it copies.
     _channel, _channel_fd = None, fd
@@ -165,6 +167,10 @@ def _connect() -> _Channel:
     with _channel_lock:
         if _unavailable:
             raise RunnerUnavailable(_unavailable)
+        if _sandboxed and _channel_pid != os.getpid():
+            # A process the reward forked: a helper runner here would run programs as the reward's own uid (red team)
+            raise RunnerUnavailable("rewardbox.sandbox.run works in the reward's own process, not in a process it "
+                                    "forked (call it from there, or from a thread)")
         _attached()
         if _channel is None or _channel_pid != os.getpid():
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

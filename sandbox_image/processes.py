@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 import signal
 import stat
@@ -316,34 +317,52 @@ def unnamed_bytes(directory: str) -> int:
 
 def empty_own_tmpfs(directory: str) -> int:
     """:func:`empty` for ``directory``, the root of a tmpfs of its own, and then its :func:`unnamed_bytes`. Where
-    the file system holds no byte and no inode but its root, only the root's mode can have changed: one
-    ``statvfs`` tells, instead of opening and reading the directory (once per forked sample: :mod:`.forked`)."""
+    the file system holds no byte and no inode but its root, only the root itself can have changed: one
+    ``statvfs`` tells, instead of reading the directory (once per forked sample: :mod:`.forked`)."""
     info = os.statvfs(directory)
     if info.f_files > 0 and info.f_files - info.f_ffree == 1 and info.f_blocks > 0 and info.f_blocks == info.f_bfree:
-        os.chmod(directory, stat.S_IRWXU)
-        _clear_attributes(directory)
+        top = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            _reset(top)
+        finally:
+            os.close(top)
         return 0
     empty(directory)
     return unnamed_bytes(directory)
 
 
-def _clear_attributes(directory) -> None:
-    """Removes the extended attributes of ``directory`` (a path or an open descriptor), the one inode that outlives
-    what a sample leaves: a default ACL there (a tmpfs keeps POSIX ACLs) would set the mode of every file a later
-    sample makes in it, and a ``user.`` attribute would carry data to later samples (red team, runc)."""
+# FS_IOC_GETFLAGS and FS_IOC_SETFLAGS (the same on every 64-bit Linux: _IOR/_IOW('f', 1/2, long))
+_GET_FLAGS, _SET_FLAGS = 0x80086601, 0x40086602
+
+
+def _reset(directory: int) -> None:
+    """Puts back what outlives the removal of everything in ``directory`` (an open descriptor), on the directory
+    itself: its mode (owner only), its extended attributes (none: a default ACL there, which a tmpfs keeps, would
+    set the mode of every file a later sample makes in it, and a ``user.`` attribute would carry data to later
+    samples) and its inode flags (none: ``noatime`` and ``nodump``, which its owner may set, would too). Red team,
+    runc; gVisor keeps ``user.`` attributes and has no inode flags."""
+    os.fchmod(directory, stat.S_IRWXU)
     try:
         names = os.listxattr(directory)
     except OSError as e:
-        if e.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):  # a file system without them (gVisor's, some)
-            return
-        raise
+        if e.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):  # a file system without them
+            raise
+        names = []
     for name in names:
         os.removexattr(directory, name)
+    try:
+        flags = fcntl.ioctl(directory, _GET_FLAGS, bytes(8))
+    except OSError as e:
+        if e.errno not in (errno.ENOTTY, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EINVAL):  # gVisor: ENOTTY
+            raise
+        return
+    if any(flags[:4]):
+        fcntl.ioctl(directory, _SET_FLAGS, bytes(8))
 
 
 def empty(directory: str) -> None:
-    """Removes everything in ``directory``, however deep, as its owner, and its own mode and extended attributes
-    go back to what they were (owner only, none).
+    """Removes everything in ``directory``, however deep, as its owner, and puts back what is on the directory
+    itself (:func:`_reset`).
 
     Iterative and relative to open directories: a tree deeper than the recursion limit or longer than PATH_MAX
     is flattened, one subdirectory at a time, into the top directory (renamed there under a fresh name), so at most
@@ -355,8 +374,7 @@ def empty(directory: str) -> None:
     top = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     counter = 0
     try:
-        os.fchmod(top, stat.S_IRWXU)
-        _clear_attributes(top)
+        _reset(top)
         while True:
             with os.scandir(top) as entries:
                 names = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]

@@ -37,6 +37,8 @@ def judge(prompt, completion, example):
         return t.fraction
     if spec.get("kind") == "tamper":
         return tamper(spec)
+    if spec.get("kind") == "forked":
+        return from_a_fork(spec)
     if spec.get("kind") == "twice":  # two programs in a row: the second is the same slot's next program
         first = run(spec["code"], timeout_s=spec.get("timeout_s", 3))
         second = run(spec["then"], timeout_s=3)
@@ -70,6 +72,28 @@ def tamper(spec):
         print("TAMPERED", did, intact)
         return -1.0
     return 1.5
+
+
+def from_a_fork(spec):
+    """Calls run() in a process this reward forks: 1.5 only when it is refused there (a runner started there would
+    run the program as the reward's own uid) and still works here."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            r = run(spec["code"], timeout_s=3)
+            said = f"ran: uid {r.stdout.strip()}, the reward's {os.getuid()}"
+        except Exception as e:  # noqa: BLE001 - the refusal, or anything else, is reported
+            said = f"{type(e).__name__}: {e}"
+        os.write(write, said.encode()[:4000])
+        os._exit(0)
+    os.close(write)
+    said = os.read(read, 4000).decode()
+    os.waitpid(pid, 0)
+    here = run(spec["code"], timeout_s=3)
+    print("FORKED", said, "HERE", here.status, here.stdout.strip(), os.getuid())
+    refused = said.startswith("RunnerUnavailable: rewardbox.sandbox.run works in the reward's own process")
+    return 1.5 if refused and here.ok and here.stdout.strip() != str(os.getuid()) else -1.0
 '''
 
 SUM = {  # a + b from stdin, in each language
@@ -276,3 +300,11 @@ print(json.dumps(tried))
 def test_a_program_cannot_change_or_read_the_reward_that_runs_it(sandboxes):
     report = score(sandboxes, [GOOD, {"kind": "tamper", "code": TAMPER}, GOOD])
     assert report.values == [1.5, 1.5, 1.5], report.logs[-5000:]
+
+
+def test_a_process_the_reward_forks_cannot_run_programs_as_the_rewards_own_uid(sandboxes):
+    # red team (runc): run() in a process the reward forked started a runner of its own there, and the program ran
+    # under the reward's uid, able to reach the reward's files and process
+    uid = "import os; print(os.getuid())"
+    report = score(sandboxes, [GOOD, {"kind": "forked", "code": uid}, GOOD])
+    assert report.values == [1.5, 1.5, 1.5], report.logs[-3000:]

@@ -17,7 +17,7 @@ from rewardbox.wire import Status
 from tests.docker.conftest import sandboxes_on_runtime
 
 REWARDS = '''
-import ctypes, os, subprocess, sys, tempfile, time
+import ctypes, fcntl, os, subprocess, sys, tempfile, time
 
 PROGRAM = "import random, sys; print(getattr(random, 'PLANTED', 0) + len(sys.argv))"
 
@@ -130,8 +130,8 @@ def snoop():
 
 
 def marks(prompt, completion, example):
-    """"mark" plants on /tmp itself what its files' removal leaves: an extended attribute, and a default ACL that
-    takes every permission from the files later samples make there. Every sample then looks for both."""
+    """"mark" plants on /tmp itself what its files' removal leaves: an extended attribute, a default ACL that takes
+    every permission from the files later samples make there, and inode flags. Every sample then looks for them."""
     exec("0")  # code from data: under isolation: sample, the reward's later samples run forked
     if completion == "mark":
         import struct
@@ -143,14 +143,27 @@ def marks(prompt, completion, example):
                 print("planted", name)
             except OSError as e:  # gVisor's tmpfs takes no ACL
                 print("could not plant", name, e)
+        try:  # FS_IOC_SETFLAGS: noatime and nodump, which the owner may set (gVisor: no inode flags)
+            fd = os.open("/tmp", os.O_RDONLY)
+            fcntl.ioctl(fd, 0x40086602, (0xC0).to_bytes(8, sys.byteorder))
+            os.close(fd)
+            print("planted flags")
+        except OSError as e:
+            print("could not plant flags", e)
     try:
         names = os.listxattr("/tmp")
     except OSError:
         names = []
+    try:
+        fd = os.open("/tmp", os.O_RDONLY)
+        flags = int.from_bytes(fcntl.ioctl(fd, 0x80086601, bytes(8))[:4], sys.byteorder)  # FS_IOC_GETFLAGS
+        os.close(fd)
+    except OSError:
+        flags = 0
     fd, path = tempfile.mkstemp(dir="/tmp")
     os.close(fd)
-    print(completion, "sees", names, oct(os.stat(path).st_mode & 0o777))
-    return 1.0 if completion == "mark" else float(not names and os.access(path, os.R_OK | os.W_OK))
+    print(completion, "sees", names, hex(flags), oct(os.stat(path).st_mode & 0o777))
+    return 1.0 if completion == "mark" else float(not names and not flags and os.access(path, os.R_OK | os.W_OK))
 '''
 TIMEOUT_S = 20.0
 
@@ -186,9 +199,9 @@ def test_rewards_that_write_to_tmp_by_name_work_and_a_planted_module_reaches_no_
 
 @pytest.mark.parametrize("reward", ["marks", "marks_fresh"])
 def test_what_a_sample_sets_on_tmp_itself_reaches_no_later_sample(sandboxes, reward):
-    # red team (runc): the files were removed after each sample, but /tmp's own extended attributes and default ACL
-    # stayed: data for later samples, and files they made there that their owner could not read (gVisor: a user.
-    # attribute stayed; its tmpfs takes no ACL)
+    # red teams (runc): the files were removed after each sample, but /tmp's own extended attributes, default ACL
+    # and inode flags stayed: data for later samples, and files they made there that their owner could not read
+    # (gVisor: a user. attribute stayed; its tmpfs takes no ACL and has no inode flags)
     first = score(sandboxes, reward, ["look", "mark", "look", "look", "look", "mark", "look", "look"])
     assert first.statuses == [Status.OK] * 8, (first.errors, first.logs[-2000:])
     later = score(sandboxes, reward, ["look"] * 8)
