@@ -122,7 +122,7 @@ class Forker:
             if not handed[0]:  # the runner is gone: the child's program calls end now (EOF), not at its deadline
                 runner_end.close()
 
-        reaped: dict = {}  # the child's wait status, where it was reaped while the unit ran
+        reaped: dict = {}  # the wait status of each process reaped while the unit ran (the child's, where it was)
 
         def reap() -> None:
             # What the unit's own forks orphan comes to this process (their subreaper): a zombie still counts toward

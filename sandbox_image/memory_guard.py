@@ -241,8 +241,9 @@ class Guard:
         # innocent ended unavailable. Past that half margin it is weighed so, as ``excess`` (a batch of padded
         # completions, held several times over, got a 400 MiB innocent killed). (Red teams, runc.)
         grown = self._grown(found)
-        left = calm + min(grown, most_unheld - calm)
-        excess = grown - (left - calm)  # what the server grew by past the moved mark
+        moved = min(grown, most_unheld - calm)  # how far it moves the mark: half the margin at most
+        left = calm + moved
+        excess = grown - moved  # what the server grew by past the moved mark
         since = unheld - calm + excess  # no sample's, appeared since calm times, not in the moved mark
         why = f"{pressure / _MIB:.0f} of the sandbox's {self.usage.limit / _MIB:.0f} MiB in use, {unheld / _MIB:.0f} " \
               f"MiB of it held by no process nor any sample's files, {grown / _MIB:.0f} MiB more by the server than " \
