@@ -40,6 +40,11 @@ FORKING = b"F"  # a forked request's first byte after STARTED: the slot process 
 # ... or, instead, the slot process retires without running any: it scored units itself before, and its children
 # would inherit what they left in its memory. Its units go to another process.
 RETIRING = b"X"
+# In a forked request, before a unit's answer, any number of times: the unit's deadline moved by this many
+# milliseconds (its processes waited as long for a CPU that other samples held: .cpu_wait).
+WAITED = b"Q"
+_WAITED = struct.Struct("<cI")
+WAITED_SIZE = _WAITED.size
 MAGIC = b"RBX1"
 _HEADER = struct.Struct("<4sIQI")
 _SAMPLE = struct.Struct("<BBdIf")
@@ -221,6 +226,16 @@ def _seconds(value: float) -> Optional[float]:
     """A sample's own time as its process measured it (shown, never used to decide anything), or None when it is
     unknown (NaN) or not a time at all."""
     return value if math.isfinite(value) and 0 <= value <= MAX_SECONDS else None
+
+
+def waited(ms: int) -> bytes:
+    """The WAITED marker for a deadline moved by ``ms`` milliseconds."""
+    return _WAITED.pack(WAITED, ms)
+
+
+def waited_seconds(marker: bytes) -> float:
+    """How far a WAITED marker moves the unit's deadline, in seconds."""
+    return _WAITED.unpack(marker)[1] / 1000
 
 
 def decode_clean_units(data: bytearray, start: int, samples: int, units: int, max_log_bytes: int,

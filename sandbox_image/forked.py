@@ -40,6 +40,7 @@ it has no answer for: stopping it (SIGSTOP) makes that unit a ``timeout``, as a 
 from __future__ import annotations
 
 import _signal
+import math
 import mmap
 import os
 import select
@@ -51,7 +52,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..wire import Outcome, Status
-from . import codec, processes, run_requests
+from . import codec, cpu_wait, processes, run_requests
 
 _LENGTH = struct.Struct("<I")
 DONE = b"D"  # the child wrote its answer
@@ -97,22 +98,26 @@ class Forker:
 
     def run(self, score: Callable[[], bytes], samples: int, timeout_s: float, max_log_bytes: int,
             request_fd: int, attach: Callable[[Optional[int]], None],
-            send: Callable[[memoryview, Optional[str]], None]) -> Optional[str]:
+            send: Callable[[memoryview, Optional[str]], None], waited: Callable[[int], None]) -> Optional[str]:
         """Runs ``score`` (which returns one unit's encoded answer) in a child, cleans up after it, and calls
         ``send(answer, retire)`` with its answer, checked, or the unit's failure, and why the slot process must
         retire (None: it may go on), which it also returns. The request's socket ``request_fd`` is closed in the
-        child; ``attach(fd)`` gives the child its runner socket. Between :meth:`arm` and :meth:`disarm`."""
+        child; ``attach(fd)`` gives the child its runner socket. ``waited(ms)`` tells the server that the unit's
+        deadline moved by that many milliseconds (its processes waited as long for a CPU others held:
+        :mod:`.cpu_wait`).
+        Between :meth:`arm` and :meth:`disarm`."""
         limit = codec.result_limit(samples, max_log_bytes)
         # Shared with the child, which writes its answer there: the answer never passes through this process's heap,
         # where the next child (a copy of this process) could find it.
         answer = mmap.mmap(-1, _LENGTH.size + limit)
         try:
-            return self._run(answer, score, samples, timeout_s, max_log_bytes, request_fd, attach, send)
+            return self._run(answer, score, samples, timeout_s, max_log_bytes, request_fd, attach, send, waited)
         finally:
             answer.close()
 
     def _run(self, answer: mmap.mmap, score: Callable[[], bytes], samples: int, timeout_s: float,
-             max_log_bytes: int, request_fd: int, attach: Callable, send: Callable) -> Optional[str]:
+             max_log_bytes: int, request_fd: int, attach: Callable, send: Callable,
+             waited: Callable[[int], None]) -> Optional[str]:
         child_end, runner_end = runner_socket(self.runner)
         read_end, write_end = os.pipe()
         handed: list = []  # once the child first wrote to (or closed) its runner socket: whether the runner took it
@@ -129,6 +134,23 @@ class Forker:
             # the uid's process limit, so left unreaped until the unit ends, they would stop its forks halfway.
             for child, wait_status in processes.exited_children():
                 reaped[child] = wait_status
+
+        watch = cpu_wait.Watch()
+        granted = [0]  # ms the deadline moved
+
+        def extend() -> float:
+            # At the deadline: what the unit's processes waited for a CPU that others held is added to it, up to
+            # timeout_s in all (cpu_wait); the server's deadline for the unit moves with it (whole milliseconds).
+            watch.look()
+            if handed:  # its programs ran beside it, out of its tree (another uid): its wait may be their doing
+                return 0.0
+            allowed_ms = math.ceil(min(watch.forgiven_s(), timeout_s) * 1000)
+            extra_ms = allowed_ms - granted[0]
+            if extra_ms < cpu_wait.MIN_EXTENSION_MS:
+                return 0.0
+            granted[0] = allowed_ms
+            waited(extra_ms)
+            return extra_ms / 1000
 
         # All that the wait needs is made before the fork: a page this process writes while the child lives is
         # copied (the child holds the original), several times the cost of the same write once the child is gone.
@@ -166,7 +188,7 @@ class Forker:
             os.close(child_end)
         try:
             failed, why = _wait(poller, read_end, time.monotonic() + timeout_s + START_ALLOWANCE_S, runner_end,
-                                hand_over_runner, reap, self.wake[0])
+                                hand_over_runner, reap, self.wake[0], watch.look, extend)
         finally:
             # First: nothing of the unit is left (its memory gone with it: what this process writes from here on
             # is no longer copied).
@@ -204,6 +226,8 @@ class Forker:
                 failed, why = Status.INVALID, str(e)
         if failed is Status.TIMEOUT:
             why = f"exceeded timeout_s={timeout_s:g}; the worker was killed"
+            if granted[0]:
+                why += f" ({granted[0] / 1000:.2f} s after it, as long as it waited for a CPU that others held)"
         elif failed is Status.INVALID:
             why = f"malformed answer from the worker: {why}"
         else:
@@ -281,22 +305,36 @@ def _poller(done: int, woken: int, runner_end: Optional[socket.socket]) -> selec
 
 
 def _wait(poller: select.poll, done: int, deadline: float, runner_end: Optional[socket.socket],
-          hand_over_runner: Callable[[], None], reap: Callable[[], None], woken: int) -> tuple[Status, str]:
+          hand_over_runner: Callable[[], None], reap: Callable[[], None], woken: int,
+          look: Callable[[], None], extend: Callable[[], float]) -> tuple[Status, str]:
     """Waits for the child's DONE byte on ``done``: (ok when it came, timeout when the deadline passed first, crash
     when the pipe closed without it, invalid when something else came; and what to add). Meanwhile, the first time
     the child writes to (or closes) its runner socket, ``hand_over_runner()`` passes the other end, ``runner_end``,
     to the runner, and ``reap()`` runs whenever ``woken`` (a SIGCHLD wake-up pipe) is readable, and at least every
-    REAP_EVERY_S (``poller`` watches all three: :func:`_poller`)."""
+    REAP_EVERY_S (``poller`` watches all three: :func:`_poller`), when ``look()`` runs too. At the deadline,
+    ``extend()`` returns how much later it is now (0: it passed)."""
+    tick = REAP_EVERY_S  # the first look after REAP_EVERY_S; then at random moments (cpu_wait: none can be foreseen)
     while True:
         left = deadline - time.monotonic()
-        events = poller.poll(min(left, REAP_EVERY_S) * 1000) if left > 0 else []
+        events = poller.poll(min(left, tick) * 1000) if left > 0 else []
         if any(fd == done for fd, _ in events):
             break
-        if any(fd == woken for fd, _ in events) or (not events and left > REAP_EVERY_S):
+        if any(fd == woken for fd, _ in events):
             _drain(woken)
             reap()
             continue
+        if not events and left > tick:
+            _drain(woken)
+            reap()
+            look()
+            # os.urandom, not the random module: each module a slot process holds adds to every fork's cost
+            tick = REAP_EVERY_S * (0.5 + os.urandom(1)[0] / 255)
+            continue
         if not events:
+            later = extend()
+            if later:
+                deadline += later
+                continue
             return Status.TIMEOUT, ""
         poller.unregister(runner_end)  # the child wants the runner (or will never call it): it is the runner's now
         hand_over_runner()

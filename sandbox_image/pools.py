@@ -63,6 +63,7 @@ def _hung_or_crashed(done: Optional[ChunkResult], failed: Optional[Outcome]):
 MAX_CHUNK = 4096  # samples in one streamed request
 # isolation: sample: after a sample tainted its process, this many samples of the reward run forked (:mod:`.forked`)
 FORKED_SAMPLES = 256
+WAITED_SLACK_S = 0.002  # a forked unit's deadline moves in whole milliseconds, rounded up (codec.WAITED)
 OOM_TWICE = ("the kernel's OOM killer acted in this sandbox while it ran, in both of its attempts: the sandbox's "
              "memory ran out (this sample's processes, or other samples' beside it, filled it faster than the memory "
              "guard reads); raise `memory:` or lower `workers:` of the reward")
@@ -629,8 +630,11 @@ class FunctionPool:
                 else:
                     self._can_fork = False
             k = 0
+            moved = -1.0  # how far the running unit's deadline moved (-1: a new unit, whose deadline is not set)
             while k < units:
-                deadline_s = loop.time() + unit_s  # each unit's answer and trailer, from the end of the last one
+                if moved < 0:
+                    deadline_s = loop.time() + unit_s  # each unit's answer and trailer, from the end of the last one
+                    moved = 0.0
                 await reader.fill(1, deadline_s)
                 clean, reader.pos = codec.decode_clean_units(reader.buffer, reader.pos, per_unit, units - k,
                                                              self.config.max_log_bytes, reuse.CLEAN[0], forked)
@@ -638,8 +642,19 @@ class FunctionPool:
                     for answer in clean:
                         streamed.add(answer)
                     k += len(clean)
+                    moved = -1.0
                     continue
                 kind = reader.peek()
+                if forked and kind == codec.WAITED:
+                    # The slot process moved the unit's deadline (its processes waited for a CPU others held:
+                    # cpu_wait), by up to timeout_s in all; this one moves with it, never further.
+                    later = codec.waited_seconds(await reader.exactly(codec.WAITED_SIZE, deadline_s))
+                    if moved + later > timeout_s + WAITED_SLACK_S:
+                        raise codec.MalformedResult(f"the unit's deadline moved {moved + later:.3f} s, over "
+                                                    f"timeout_s={timeout_s:g}")
+                    moved += later
+                    deadline_s += later
+                    continue
                 if kind in (reuse.MARK, reuse.WITHDRAW):
                     index, reason = await self._marker(reader, deadline_s)
                     if index != k:
@@ -663,6 +678,7 @@ class FunctionPool:
                     return streamed
                 reader.take(1)
                 k += 1
+                moved = -1.0
         except asyncio.TimeoutError:
             streamed.failed = self._kill(request, timeout_s)
         except _Ended:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..wire import Outcome, Status, trainer_state_from_dict
-from . import codec, execution, forked, private_tmp, processes, reuse, run_requests, seccomp, worker
+from . import codec, cpu_wait, execution, forked, private_tmp, processes, reuse, run_requests, seccomp, worker
 from .channel import ChannelClosed, optional_fd, recv
 from .processes import die_with_parent, empty, kill_uid, remove_ipc
 
@@ -232,6 +232,7 @@ def _handle(loaded: worker.Loaded, fd: int) -> None:
     sock.sendall(codec.STARTED)
     request = _receive_blocking(sock)
     batch, timeout_s, state = _whole(request)
+    cpu_wait.begin_request()
     try:
         trainer_state = trainer_state_from_dict(state)
         if loaded.info.is_async:
@@ -329,8 +330,11 @@ async def _score_units(loaded: worker.Loaded, sock: socket.socket, request: code
 
                 # Each answer is sent before the next child starts: whatever stalls or ends this process then (a
                 # child may signal it) is the fault of the first unit the server has no answer for.
+                def waited(ms: int) -> None:
+                    sock.sendall(codec.waited(ms))
+
                 retire = forker.run(score, len(indices), timeout_s, max_log_bytes, sock.fileno(),
-                                    execution.attach_child, send)
+                                    execution.attach_child, send, waited)
                 if retire:
                     break
                 continue
@@ -373,6 +377,8 @@ def _handle_stream(loaded: worker.Loaded, fd: int, reusable: bool, forker: Optio
         sock.sendall(codec.STARTED)
         request = _receive_blocking(sock)
         fork = request.fork and forker is not None and not loaded.info.is_async
+        if not fork:
+            cpu_wait.begin_request()
         try:
             units = _score_units(loaded, sock, request, reusable, forker if fork else None)
             if not loaded.info.is_async:

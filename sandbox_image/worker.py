@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 
 from ..wire import (BATCH_KEYWORDS, OPTIONAL_KEYWORDS, TRAINER_OBJECTS, Outcome, Status, TrainerState,
                     decode_columns, example_of)
-from . import reuse
+from . import cpu_wait, reuse
 from .records import FunctionInfo, SampleBatch, WorkerConfig
 
 MAX_ERROR_CHARS = 4000
@@ -57,7 +57,17 @@ class Loaded:
 
 
 def _on_alarm(signum, frame):
+    # What the sample's processes waited for a CPU that others held is not charged to it (cpu_wait), within what
+    # this process may still add to its request's deadlines.
+    later = cpu_wait.own_extension_s()
+    if later:
+        _extended[0] += later
+        _setitimer(signal.ITIMER_REAL, later)
+        return
     raise _SampleTimeout()
+
+
+_extended = [0.0]  # how much later the running sample's timer fired than its timeout_s
 
 
 
@@ -254,6 +264,9 @@ def _error(exc: BaseException) -> Outcome:
 
 
 def _timeout(timeout_s: float) -> Outcome:
+    if _extended[0]:
+        return Outcome.failed(Status.TIMEOUT, f"exceeded timeout_s={timeout_s:g} ({_extended[0]:.2f} s after it, as "
+                                              "long as it waited for a CPU that others held)")
     return Outcome.failed(Status.TIMEOUT, f"exceeded timeout_s={timeout_s:g}")
 
 
@@ -324,6 +337,7 @@ def _timed(call: Callable[[], Any], timeout_s: Optional[float]) -> tuple:
     try:
         if _getsignal(signal.SIGALRM) is not _on_alarm:  # the user's code may have installed its own
             _signal_handler(signal.SIGALRM, _on_alarm)
+        _extended[0] = 0.0
         _setitimer(signal.ITIMER_REAL, timeout_s)
         try:
             return call(), None

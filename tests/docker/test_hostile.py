@@ -105,7 +105,10 @@ def hostile_sandboxes(request, tmp_path_factory, docker_client, base_image):
         "rewards": [{"name": "exec", "source": "exec_reward.py", "function": "run", "timeout_s": TIMEOUT_S,
                      "workers": 2, "retries": 2, "default_score": -5.0, "memory": "1g", "pids": 256},
                     {"name": "batch", "source": "batch_reward.py", "function": "together", "style": "batch",
-                     "timeout_s": TIMEOUT_S, "workers": 2, "default_score": -5.0}],
+                     "timeout_s": TIMEOUT_S, "workers": 2, "default_score": -5.0},
+                    # the same, for a test that needs a reward whose samples have not run yet
+                    {"name": "contended", "source": "exec_reward.py", "function": "run", "timeout_s": TIMEOUT_S,
+                     "workers": 2, "retries": 0, "default_score": -5.0, "memory": "1g", "pids": 256}],
     }))
     config = load_config(root / "config.yaml")
     sandboxes = RewardSandboxes(config, backend=docker_backend(config, docker_client))
@@ -114,8 +117,8 @@ def hostile_sandboxes(request, tmp_path_factory, docker_client, base_image):
     sandboxes.stop()
 
 
-def _score(sandboxes, completions):
-    reward = sandboxes["exec"]
+def _score(sandboxes, completions, reward: str = "exec"):
+    reward = sandboxes[reward]
     return asyncio.run(reward.client.score(build_samples(["p"] * len(completions), completions, {})))
 
 
@@ -528,3 +531,41 @@ score = refused / len(calls)
 """
     report = _score(hostile_sandboxes, [probe, INNOCENT[0]])
     assert (report.values, report.statuses) == ([1.0, EXPECTED[0]], [Status.OK, Status.OK]), report.logs
+
+
+BUSY_INNOCENT = """
+import time
+started = time.process_time()
+while time.process_time() - started < {cpu_s}:
+    pass
+score = {i} / 8
+"""
+
+HOG = """
+import os
+while True:
+    try:
+        if os.fork() == 0:
+            break
+    except OSError:  # as many as its uid may run
+        break
+while True:
+    pass
+"""
+
+
+def test_busy_processes_of_one_sample_do_not_time_out_the_innocents_beside_it(hostile_sandboxes):
+    """A sample that forks as many busy processes as its uid may run holds nearly all of the sandbox's CPU until its
+    timeout (the scheduler shares it per task). An innocent in the other slot that needs a few tenths of a second of
+    CPU then takes longer than timeout_s: what it waited for a CPU is not charged to it (cpu_wait), and it ends ok
+    with its value. The hog's wait is its own doing: it is killed at its own timeout, not later."""
+    # The reward's first request runs in the slot processes themselves, whose own timers may add up to
+    # cpu_wait.OWN_BUDGET_S (1 s) per request; once its samples taint their processes, they run forked, and the slot
+    # process adds up to timeout_s. The hog first: the other slot's share of the batch runs beside it from the start.
+    for cpu_s in (0.3, 0.6):
+        batch = [HOG] + [BUSY_INNOCENT.format(i=i, cpu_s=cpu_s) for i in range(1, 7)]
+        report = _score(hostile_sandboxes, batch, "contended")
+        assert report.statuses[0] == Status.TIMEOUT and "waited for a CPU" not in report.errors[0], report.errors
+        assert (report.values[1:], report.statuses[1:]) == ([i / 8 for i in range(1, 7)], [Status.OK] * 6), \
+            (cpu_s, report.errors)
+        assert "CONTAMINATED" not in report.logs

@@ -1,0 +1,154 @@
+"""How long a unit's processes waited for a CPU that others held, so that its deadline does not charge it.
+
+``timeout_s`` bounds the time a sample takes. Samples of a sandbox share its CPUs, and Linux shares them per task:
+a sample that forks as many busy processes as its process limit allows holds most of them while it runs, and an
+innocent sample beside it, in another slot, may then need many times its own time and end ``timeout`` (red team 9).
+No limit set from inside the container can make the share per sample (that takes a cgroup per slot, and the
+container's cgroups are read-only).
+
+What the kernel does tell (``/proc/<pid>/task/<tid>/schedstat``, second field) is how long each task was runnable but
+not running. A unit whose processes were never runnable more than one at a time did not compete with itself: what
+they waited, others took from it, and its deadline moves by as much, up to ``timeout_s`` more in all
+(:mod:`.forked`, which tells the server, whose deadline for the unit moves with it). A unit with two or more tasks
+runnable at once (the sample that forks the busy processes, a multi-threaded one) gets nothing: its own tasks made
+it wait.
+
+The slot process looks at the unit's processes (every descendant of its own: the slot's uid runs nothing else) at
+random moments while the unit runs (:meth:`Watch.look`, about every ``forked.REAP_EVERY_S``, so a unit that ends
+within it costs nothing), and once more at the deadline. A process that exits between two looks keeps the wait seen
+at the last one. A unit that keeps its busy processes stopped or asleep whenever the slot process looks would have
+to know when it looks; it cannot (the moments are random), and what it would win is at most ``timeout_s`` more.
+
+A process that runs samples itself (the first units of a request before the server knows the reward's samples taint
+their processes, ``isolation: process``, ``worker``) has no one to watch it: its own timer decides, at the timeout,
+with one look at its own tasks and descendants (:func:`own_extension_s`). Reward code that ran there could change
+that decision, as it could switch the timer off; either way the server's deadline for the unit still ends it, so
+the extension stays within that deadline's margin: ``OWN_BUDGET_S`` per request, in all.
+
+Not measured: gVisor has no ``schedstat`` (there a deadline is wall-clock, as before). Programs a sample runs through
+the runner (:mod:`.execution`) are not its descendants (another uid's, the runner's children): a forked unit that
+called the runner is forgiven nothing, as its programs may be what kept it waiting, and their own timeouts stay
+wall-clock.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from ..wire import HARD_TIMEOUT_MARGIN_S
+from . import processes
+
+AVAILABLE = os.path.exists("/proc/self/schedstat")
+# A unit with more processes than this is not looked at further (no forgiveness): each look reads a few files per
+# task, and a sample that runs this many at once has its own tasks to blame.
+MAX_TASKS = 64
+MIN_EXTENSION_MS = 10  # a wait for a CPU shorter than this does not move a deadline
+# What a process that runs samples itself may add to their deadlines per request (the server's deadline for a unit is
+# its timeout plus HARD_TIMEOUT_MARGIN_S: half of that is left for the answer to arrive).
+OWN_BUDGET_S = HARD_TIMEOUT_MARGIN_S / 2
+_RUNNABLE = frozenset(b"RTt")  # running or waiting for a CPU; or stopped (it may be continued when nobody looks)
+
+
+class Watch:
+    """The run-queue waits of one unit's processes, from a slot process that is their subreaper (:mod:`.forked`)."""
+
+    __slots__ = ("sequential", "waited_ns")
+
+    def __init__(self) -> None:
+        self.sequential = AVAILABLE  # no two of its tasks were seen runnable at once (yet)
+        self.waited_ns: dict = {}  # task id: its wait for a CPU at the last look (ns)
+
+    def look(self, roots: Optional[list] = None) -> None:
+        """Notes the wait of each live task of ``roots`` and their descendants (default: this subreaper's children);
+        a second runnable task ends the unit's forgiveness for good."""
+        if not self.sequential:
+            return
+        runnable = 0
+        seen = 0
+        todo = list(processes.children() or ()) if roots is None else list(roots)
+        while todo:
+            pid = todo.pop()
+            for tid in _tasks(pid):
+                seen += 1
+                stat = _read(f"/proc/{pid}/task/{tid}/stat")
+                if stat is None:  # gone since it was listed
+                    continue
+                state = stat[stat.rfind(b")") + 2]
+                if state in b"ZX":
+                    continue
+                if state in _RUNNABLE:
+                    runnable += 1
+                if runnable > 1 or seen > MAX_TASKS:
+                    self.sequential = False
+                    return
+                waited = _run_delay_ns(pid, tid)
+                if waited is not None:
+                    self.waited_ns[tid] = waited
+                todo += _children(pid, tid)
+
+    def forgiven_s(self) -> float:
+        """What the unit's processes waited for a CPU, in seconds, where they never competed with each other."""
+        return sum(self.waited_ns.values()) / 1e9 if self.sequential else 0.0
+
+
+_own = {"base_ns": None, "budget_s": 0.0}  # this process's waits when its request began; what it may still add
+
+
+def begin_request() -> None:
+    """In a process that runs samples itself, before a request's first sample: its waits from now on count, and it
+    may add up to OWN_BUDGET_S to its samples' deadlines."""
+    _own["base_ns"] = _own_waits_ns() if AVAILABLE else None
+    _own["budget_s"] = OWN_BUDGET_S
+
+
+def own_extension_s() -> float:
+    """At a sample's timeout, in the process that runs it: how much later it may end (0: none). What this process
+    and its descendants waited for a CPU since the request began, less what its samples were given already, within
+    what is left of OWN_BUDGET_S; nothing where two of them were runnable at once."""
+    base, budget = _own["base_ns"], _own["budget_s"]
+    if base is None or budget * 1000 < MIN_EXTENSION_MS:
+        return 0.0
+    watch = Watch()
+    watch.look([os.getpid()])
+    waited = (sum(watch.waited_ns.values()) - base) / 1e9 if watch.sequential else 0.0
+    extra = min(waited - (OWN_BUDGET_S - budget), budget)
+    if extra * 1000 < MIN_EXTENSION_MS:
+        return 0.0
+    _own["budget_s"] = budget - extra
+    return extra
+
+
+def _own_waits_ns() -> int:
+    return sum(_run_delay_ns(os.getpid(), tid) or 0 for tid in _tasks(os.getpid()))
+
+
+def _read(path: str) -> Optional[bytes]:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _tasks(pid: int) -> list:
+    try:
+        return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except (OSError, ValueError):
+        return []
+
+
+def _children(pid: int, tid: int) -> list:
+    data = _read(f"/proc/{pid}/task/{tid}/children")
+    return [int(child) for child in data.split()] if data else []
+
+
+def _run_delay_ns(pid: int, tid: int) -> Optional[int]:
+    data = _read(f"/proc/{pid}/task/{tid}/schedstat")
+    fields = data.split() if data else []
+    return int(fields[1]) if len(fields) >= 2 else None
