@@ -24,7 +24,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 from .errors import BackendError, TransportError
 from .replica import Replica
 from .spec import RewardSpec, SandboxSettings
-from .wire import HARD_TIMEOUT_MARGIN_S, Outcome, Status
+from .wire import HARD_TIMEOUT_MARGIN_S, MAX_MESSAGE_BYTES, Outcome, Status
 from .wire.pb import reward_pb2 as pb
 
 log = logging.getLogger("rewardbox")
@@ -32,6 +32,14 @@ log = logging.getLogger("rewardbox")
 _OK, _INVALID = Status.OK, Status.INVALID  # enum attribute lookups cost more than the rest of a sample's check
 _OK_WIRE, _UNAVAILABLE_WIRE = Status.OK.wire, Status.UNAVAILABLE.wire
 SPLIT = 4  # each retry of a sample-style share sends its unscored samples in this many times more parts
+# One call carries samples of at most this share of its sandbox's memory. The sandbox holds a call's samples several
+# times over while it scores them (the message, its decoded text, each slot's request), on top of its own processes
+# (about 110 MiB with 32 warm ones): a call of 160 MB (40 completions of 4 MB, each of which fits) made a 256 MiB
+# sandbox kill its template on every attempt; calls of 16 MiB (1/16) grew its server by up to 100 MiB, and the
+# memory guard stopped it in 1 of 9 runs; of 8 MiB, in none of 12.
+CALL_MEMORY_FRACTION = 32
+MIN_CALL_BYTES = 1 << 20
+MAX_CALL_BYTES = MAX_MESSAGE_BYTES // 2  # the sandbox's gRPC limit, with room for what a call adds to its samples
 # CANCELLED reaches the client only when the server ended the call (an overloaded service sheds it): our own
 # cancellations end the coroutine instead.
 # UNKNOWN: the sandbox server raised what it did not expect (a bug of ours, not the reward's): the call is tried again
@@ -215,7 +223,7 @@ class RewardClient:
         retries = share.attempts - 1
         k = 1 if self.reward.style == "batch" or not retries else min(SPLIT ** retries, len(todo))
         bounds = [round(j * len(todo) / k) for j in range(k + 1)]
-        parts = [todo[a:b] for a, b in zip(bounds, bounds[1:])]
+        parts = self._fitted([todo[a:b] for a, b in zip(bounds, bounds[1:])], share)
         usable = self._usable()
         lanes: dict = {}  # replica -> its parts, in order
         for j, part in enumerate(parts):
@@ -239,6 +247,45 @@ class RewardClient:
         transient = [e for failed in results for e in failed]
         if transient:
             raise transient[0]
+
+    def call_bytes(self) -> int:
+        """The most bytes of samples one call carries (CALL_MEMORY_FRACTION of the sandbox's memory)."""
+        return min(MAX_CALL_BYTES, max(MIN_CALL_BYTES, self.reward.memory_bytes // CALL_MEMORY_FRACTION))
+
+    def _fitted(self, parts: list, share: _Share) -> list:
+        """``parts`` of (index, sample), split further so that no call carries more than :meth:`call_bytes`. A
+        sample that alone carries more (or a batch-style call) gets its error here instead: the sandbox would run
+        out of memory for it, on every attempt, with the other samples of its call."""
+        limit = self.call_bytes()
+        fitted = []
+        for part in parts:
+            sizes = [sample.ByteSize() for _, sample in part]
+            if sum(sizes) <= limit:
+                fitted.append(part)
+                continue
+            if self.reward.style == "batch":
+                failed = Outcome.failed(Status.ERROR, self._too_much(sum(sizes), "the batch's samples are"))
+                for i, _ in part:
+                    share.outcomes[i] = failed
+                continue
+            current, held = [], 0
+            for item, size in zip(part, sizes):
+                if size > limit:
+                    share.outcomes[item[0]] = Outcome.failed(Status.ERROR, self._too_much(size, "this sample is"))
+                    continue
+                if current and held + size > limit:
+                    fitted.append(current)
+                    current, held = [], 0
+                current.append(item)
+                held += size
+            if current:
+                fitted.append(current)
+        return fitted
+
+    def _too_much(self, size: int, what: str) -> str:
+        return (f"{what} {size / (1 << 20):.1f} MiB, more than one call to reward {self.reward.name!r} may carry "
+                f"({self.call_bytes() / (1 << 20):.1f} MiB, 1/{CALL_MEMORY_FRACTION} of its `memory: "
+                f"{self.reward.memory}`: its sandbox holds a call several times over); raise `memory:` of the reward")
 
     def _usable(self) -> list:
         """The replicas to send to: all but shared services set aside after failing health (all, if none is left)."""

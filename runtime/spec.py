@@ -31,6 +31,7 @@ from .errors import ConfigError
 from .wire import DEFAULT_CONCURRENCY, DEFAULT_MAX_LOG_BYTES, DEFAULT_WORKERS
 
 _NAME = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
+_BYTE_UNITS = {"b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}  # Docker's: powers of 1024
 # A Debian package name (policy 5.6.1), optionally pinned to a version (5.6.12) as `apt-get install` takes it.
 _DEB = re.compile(r"^[a-z0-9][a-z0-9+.-]+(=[A-Za-z0-9.+:~-]+)?$")
 
@@ -146,6 +147,14 @@ class RewardSpec(_Strict):
     max_in_flight: Optional[PositiveInt] = Field(
         default=None, description="samples of this reward that may run at once on a shared service (`rewardbox "
         "serve`), for all its clients together (e.g. an LLM judge's rate limit); more wait, with backoff")
+
+    @property
+    def memory_bytes(self) -> int:
+        """``memory`` in bytes, as Docker reads it (no unit: bytes)."""
+        unit = self.memory[-1].lower()
+        if unit in _BYTE_UNITS:
+            return int(float(self.memory[:-1]) * _BYTE_UNITS[unit])
+        return int(float(self.memory))
 
     @field_validator("args")
     @classmethod

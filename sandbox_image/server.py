@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import hashlib
 import logging
 import os
@@ -284,6 +285,22 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
             fp.close()
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+LARGE_BLOCK_BYTES = 256 << 10
+
+
+def _return_large_blocks() -> None:
+    """Every block of LARGE_BLOCK_BYTES or more that the server allocates (a call's completions, as received, parsed,
+    decoded and sent on) is a mapping of its own, given back to the kernel when freed. glibc's default raises that
+    threshold to the largest block freed so far (up to 32 MiB): the next call's blocks then came from a heap that
+    grew and was not given back, and a 256 MiB sandbox's server stayed 130 MiB larger after a few calls of 16 MiB,
+    until the memory guard stopped the sandbox."""
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "mallopt"):  # glibc (the sandbox image); not musl
+        libc.mallopt(_M_MMAP_THRESHOLD, LARGE_BLOCK_BYTES)
+        libc.mallopt(_M_TRIM_THRESHOLD, 2 * LARGE_BLOCK_BYTES)
+
+
 async def serve(listen: str, supervisor: Supervisor, parent_pid: Optional[int] = None, grace_s: float = 2.0,
                 default_warm: Optional[int] = None) -> None:
     """Serves until SIGTERM/SIGINT, or until ``parent_pid`` exits (local backend: never outlive the trainer).
@@ -292,6 +309,7 @@ async def serve(listen: str, supervisor: Supervisor, parent_pid: Optional[int] =
         with contextlib.suppress(FileNotFoundError):
             os.unlink(listen[len("unix://") :])
     supervisor.sock.setblocking(True)
+    _return_large_blocks()
     server = grpc.aio.server(options=GRPC_OPTIONS)
     health = HealthServicer()
     servicer = RewardSandboxServicer(supervisor, default_warm or DEFAULT_WARM, health)

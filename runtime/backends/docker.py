@@ -48,7 +48,7 @@ GVISOR_SAMPLE_PROCESSES = 16
 def sample_limits(reward: RewardSpec, slots: int, gvisor: bool) -> tuple[int, Optional[int]]:
     """(RLIMIT_NPROC per slot uid, RLIMIT_AS per slot process or None) for a reward's samples."""
     if gvisor:
-        memory = docker.utils.parse_bytes(reward.memory)
+        memory = reward.memory_bytes
         return GVISOR_SAMPLE_PROCESSES, max(GVISOR_MIN_SAMPLE_BYTES,
                                             (memory - GVISOR_OVERHEAD_BYTES) // max(1, reward.workers))
     # Under runc the kernel's OOM killer takes the sample (oom_score_adj 1000); pids are the only shared budget. It

@@ -86,6 +86,27 @@ def test_killing_the_container_mid_batch_loses_no_sample(docker_sandboxes):
     assert replica.restarts == 1 and replica.sandbox.container.id != old
 
 
+def test_completions_larger_in_all_than_the_sandbox_holds_are_scored_in_calls_it_holds(docker_sandboxes):
+    """40 completions of 4 MB (160 MB) for a reward with `memory: 256m`: each fits, all in one call did not (the
+    server holds a call several times over: its template was killed on every attempt, and all 40 ended unavailable),
+    and the server kept what it freed. Now the host sends calls of at most 1/32 of the memory, the server gives large
+    freed blocks back, and all score; a completion that alone is over the share gets its own error, naming the
+    fix."""
+    code = """
+    def size(prompt, completion, example):
+        return float(len(completion))
+    """
+    s = docker_sandboxes([{"name": "size", "code": code, "workers": 2, "memory": "256m", "retries": 1}])
+    completions = ["a" * 4_000_000] * 40 + ["b" * (20 << 20), "c"]
+    for _ in range(2):  # the second batch finds the server as small as the first did
+        report = run(s["size"].client.score(build_samples(["p"] * 42, completions, {})))
+        assert report.values[:40] == [4e6] * 40 and report.statuses[:40] == ["ok"] * 40, set(report.errors)
+        assert (report.values[41], report.statuses[41]) == (1.0, "ok")
+        assert report.statuses[40] == "error" and "raise `memory:` of the reward" in report.errors[40]
+        assert report.errors[40].startswith("this sample is 20.0 MiB, more than one call to reward 'size' may carry (8.0 MiB"), report.errors[40]
+    assert s.replicas["size"][0].restarts == 0
+
+
 def test_a_container_that_never_becomes_healthy_fails_with_its_logs(docker_client, base_image, tmp_path):
     sandbox = DockerSandbox(docker_client, ContainerSpec(
         image=base_image, command=("python3", "-c", "print('no server here'); raise SystemExit(3)"),

@@ -244,3 +244,23 @@ def test_a_sample_that_takes_its_sandbox_down_every_time_is_isolated_and_the_oth
     fake.script = [grpc.StatusCode.UNAVAILABLE] * 2
     run(s2["r"].client.score(samples(8)))
     assert [len(r.samples) for r, _ in fake.calls] == [8, 8, 8]
+
+
+def test_no_call_carries_more_than_its_share_of_the_sandbox_memory(tmp_path):
+    s, fakes = start(tmp_path, {"memory": "32m"})  # 1 MiB a call (1/32)
+    big = "x" * (300 << 10)
+    report = run(s["r"].client.score(build_samples(["p"] * 8, [big] * 7 + ["x" * (2 << 20)], {})))
+    assert report.values[:7] == [float(len(big))] * 7 and report.attempts == 1
+    sizes = [len(completions(request)) for request, *_ in fakes[0].calls]
+    assert sizes == [3, 3, 1]  # in order, none over 1 MiB
+    assert report.statuses[7] == Status.ERROR and report.values[7] == 0.0
+    assert report.errors[7] == ("this sample is 2.0 MiB, more than one call to reward 'r' may carry (1.0 MiB, 1/32 "
+                                "of its `memory: 32m`: its sandbox holds a call several times over); raise `memory:` "
+                                "of the reward")
+
+
+def test_a_batch_style_call_over_its_share_of_the_sandbox_memory_gets_the_error_for_every_sample(tmp_path):
+    s, fakes = start(tmp_path, {"memory": "32m", "style": "batch"})
+    report = run(s["r"].client.score(build_samples(["p"] * 4, ["x" * (300 << 10)] * 4, {})))
+    assert report.statuses == [Status.ERROR] * 4 and not fakes[0].calls
+    assert report.errors[0].startswith("the batch's samples are 1.2 MiB, more than one call")
