@@ -14,10 +14,14 @@ runnable at once (the sample that forks the busy processes, a multi-threaded one
 it wait.
 
 The slot process looks at the unit's processes (every descendant of its own: the slot's uid runs nothing else) at
-random moments while the unit runs (:meth:`Watch.look`, about every ``forked.REAP_EVERY_S``, so a unit that ends
-within it costs nothing), and once more at the deadline. A process that exits between two looks keeps the wait seen
-at the last one. A unit that keeps its busy processes stopped or asleep whenever the slot process looks would have
-to know when it looks; it cannot (the moments are random), and what it would win is at most ``timeout_s`` more.
+random moments while the unit runs, 10 to 30 ms apart by its clock, whatever else wakes it (:meth:`Watch.look`; a
+unit that ends before the first costs nothing), and once more at the deadline. Only what a task waited between two
+looks that both saw it counts: a task first seen at the deadline earns nothing, and so does a unit whose looks were
+kept from happening. To be forgiven its own contention, a unit would have to keep its busy processes asleep
+whenever a look comes, and it cannot know when (the moments come from ``os.urandom``); what it would win is at most
+``timeout_s`` more. (Red team 10: the first version looked only when its wait timed out, so a unit that sent its
+slot process a SIGCHLD every 2 ms stopped every look but the one at the deadline, hid its 8 spinners around it, and
+lived 2x ``timeout_s``.)
 
 A process that runs samples itself (the first units of a request before the server knows the reward's samples taint
 their processes, ``isolation: process``, ``worker``) has no one to watch it: its own timer decides, at the timeout,
@@ -53,24 +57,25 @@ _RUNNABLE = frozenset(b"RTt")  # running or waiting for a CPU; or stopped (it ma
 class Watch:
     """The run-queue waits of one unit's processes, from a slot process that is their subreaper (:mod:`.forked`)."""
 
-    __slots__ = ("sequential", "waited_ns")
+    __slots__ = ("sequential", "seen_ns", "credited_ns")
 
     def __init__(self) -> None:
         self.sequential = AVAILABLE  # no two of its tasks were seen runnable at once (yet)
-        self.waited_ns: dict = {}  # task id: its wait for a CPU at the last look (ns)
+        self.seen_ns: dict = {}  # task id: its wait for a CPU at the last look (ns)
+        self.credited_ns = 0  # what its tasks waited between two looks that each saw them
 
     def look(self, roots: Optional[list] = None) -> None:
-        """Notes the wait of each live task of ``roots`` and their descendants (default: this subreaper's children);
-        a second runnable task ends the unit's forgiveness for good."""
+        """Notes the wait of each live task of ``roots`` and their descendants (default: this subreaper's children),
+        and credits what each waited since the last look, where that look saw it too; a second runnable task ends
+        the unit's forgiveness for good."""
         if not self.sequential:
             return
         runnable = 0
-        seen = 0
+        seen: dict = {}
         todo = list(processes.children() or ()) if roots is None else list(roots)
         while todo:
             pid = todo.pop()
             for tid in _tasks(pid):
-                seen += 1
                 stat = _read(f"/proc/{pid}/task/{tid}/stat")
                 if stat is None:  # gone since it was listed
                     continue
@@ -79,17 +84,24 @@ class Watch:
                     continue
                 if state in _RUNNABLE:
                     runnable += 1
-                if runnable > 1 or seen > MAX_TASKS:
+                if runnable > 1 or len(seen) >= MAX_TASKS:
                     self.sequential = False
                     return
                 waited = _run_delay_ns(pid, tid)
                 if waited is not None:
-                    self.waited_ns[tid] = waited
+                    seen[tid] = waited
                 todo += _children(pid, tid)
+        # A task first seen now earns nothing for what it waited before (no look saw how it waited then); one that
+        # slept whenever a look came would have had to know when they come: they come at random moments.
+        for tid, waited in seen.items():
+            before = self.seen_ns.get(tid)
+            if before is not None and waited > before:
+                self.credited_ns += waited - before
+        self.seen_ns = seen
 
     def forgiven_s(self) -> float:
-        """What the unit's processes waited for a CPU, in seconds, where they never competed with each other."""
-        return sum(self.waited_ns.values()) / 1e9 if self.sequential else 0.0
+        """What the unit's tasks waited for a CPU between looks that saw no two of them runnable, in seconds."""
+        return self.credited_ns / 1e9 if self.sequential else 0.0
 
 
 _own = {"base_ns": None, "budget_s": 0.0}  # this process's waits when its request began; what it may still add
@@ -111,7 +123,7 @@ def own_extension_s() -> float:
         return 0.0
     watch = Watch()
     watch.look([os.getpid()])
-    waited = (sum(watch.waited_ns.values()) - base) / 1e9 if watch.sequential else 0.0
+    waited = (sum(watch.seen_ns.values()) - base) / 1e9 if watch.sequential else 0.0
     extra = min(waited - (OWN_BUDGET_S - budget), budget)
     if extra * 1000 < MIN_EXTENSION_MS:
         return 0.0

@@ -152,6 +152,7 @@ class Forker:
             waited(extra_ms)
             return extra_ms / 1000
 
+        first_look = look_interval()
         # All that the wait needs is made before the fork: a page this process writes while the child lives is
         # copied (the child holds the original), several times the cost of the same write once the child is gone.
         poller = _poller(read_end, self.wake[0], runner_end)
@@ -187,8 +188,9 @@ class Forker:
         if child_end is not None:
             os.close(child_end)
         try:
-            failed, why = _wait(poller, read_end, time.monotonic() + timeout_s + START_ALLOWANCE_S, runner_end,
-                                hand_over_runner, reap, self.wake[0], watch.look, extend)
+            started = time.monotonic()
+            failed, why = _wait(poller, read_end, started + timeout_s + START_ALLOWANCE_S, runner_end,
+                                hand_over_runner, reap, self.wake[0], watch.look, extend, started + first_look)
         finally:
             # First: nothing of the unit is left (its memory gone with it: what this process writes from here on
             # is no longer copied).
@@ -274,7 +276,13 @@ def hand_over(runner: socket.socket, end: socket.socket) -> bool:
     return True
 
 
-REAP_EVERY_S = 0.02  # while a unit runs, what exited of its processes is reaped at least this often (see _wait)
+REAP_EVERY_S = 0.02  # while a unit runs, what exited of its processes is reaped about this often (see _wait)
+
+
+def look_interval() -> float:
+    """A random time of 0.5 to 1.5 REAP_EVERY_S, from os.urandom: the random module's at-fork handler would reseed
+    in every child (0.04 ms each), and a unit that could foresee the looks could hide from them (cpu_wait)."""
+    return REAP_EVERY_S * (0.5 + os.urandom(1)[0] / 255)
 
 
 def _ignore(signum, frame) -> None:
@@ -306,31 +314,33 @@ def _poller(done: int, woken: int, runner_end: Optional[socket.socket]) -> selec
 
 def _wait(poller: select.poll, done: int, deadline: float, runner_end: Optional[socket.socket],
           hand_over_runner: Callable[[], None], reap: Callable[[], None], woken: int,
-          look: Callable[[], None], extend: Callable[[], float]) -> tuple[Status, str]:
+          look: Callable[[], None], extend: Callable[[], float], first_look: float) -> tuple[Status, str]:
     """Waits for the child's DONE byte on ``done``: (ok when it came, timeout when the deadline passed first, crash
     when the pipe closed without it, invalid when something else came; and what to add). Meanwhile, the first time
     the child writes to (or closes) its runner socket, ``hand_over_runner()`` passes the other end, ``runner_end``,
-    to the runner, and ``reap()`` runs whenever ``woken`` (a SIGCHLD wake-up pipe) is readable, and at least every
-    REAP_EVERY_S (``poller`` watches all three: :func:`_poller`), when ``look()`` runs too. At the deadline,
-    ``extend()`` returns how much later it is now (0: it passed)."""
-    tick = REAP_EVERY_S  # the first look after REAP_EVERY_S; then at random moments (cpu_wait: none can be foreseen)
+    to the runner, and ``reap()`` runs whenever ``woken`` (a SIGCHLD wake-up pipe) is readable (``poller`` watches
+    all three: :func:`_poller`). From ``first_look`` on, at random moments about REAP_EVERY_S apart by the clock,
+    whatever else woke it, it reaps and calls ``look()`` (cpu_wait). At the deadline, ``extend()`` returns how much
+    later it is now (0: it passed)."""
+    next_look = first_look
     while True:
-        left = deadline - time.monotonic()
-        events = poller.poll(min(left, tick) * 1000) if left > 0 else []
+        now = time.monotonic()
+        if now >= next_look:
+            _drain(woken)
+            reap()
+            look()
+            next_look = now + look_interval()
+        left = deadline - now
+        events = poller.poll(min(left, next_look - now) * 1000) if left > 0 else []
         if any(fd == done for fd, _ in events):
             break
         if any(fd == woken for fd, _ in events):
             _drain(woken)
             reap()
             continue
-        if not events and left > tick:
-            _drain(woken)
-            reap()
-            look()
-            # os.urandom, not the random module, whose at-fork handler would reseed in every child (0.04 ms each)
-            tick = REAP_EVERY_S * (0.5 + os.urandom(1)[0] / 255)
-            continue
         if not events:
+            if time.monotonic() < deadline:  # a look's moment came
+                continue
             later = extend()
             if later:
                 deadline += later

@@ -44,16 +44,38 @@ def competitors():
     _stop(*pids)
 
 
-def test_a_lone_process_that_others_keep_waiting_is_forgiven_its_wait(competitors):
+def test_a_lone_process_that_others_keep_waiting_is_forgiven_what_it_waited_between_two_looks(competitors):
     innocent = _spinner()
     try:
-        time.sleep(1.0)
         watch = cpu_wait.Watch()
+        time.sleep(0.3)
         watch.look([innocent])
-        # one CPU, four busy processes: the innocent waited about three quarters of the second
+        assert watch.sequential and watch.forgiven_s() == 0.0  # what it waited before the first look: no one saw
+        time.sleep(1.0)
+        watch.look([innocent])
+        # one CPU, four busy processes: the innocent waited about three quarters of that second
         assert watch.sequential and 0.5 < watch.forgiven_s() < 1.0, watch.forgiven_s()
     finally:
         _stop(innocent)
+
+
+def test_a_process_no_earlier_look_saw_earns_nothing(competitors):
+    # Red team 10: busy processes that slept whenever the (then foreseeable) look came were credited the waits they
+    # piled up for each other: a task's wait counts only from the first look that saw it.
+    sleeper = os.fork()
+    if sleeper == 0:
+        time.sleep(60)
+        os._exit(0)
+    watch = cpu_wait.Watch()
+    watch.look([sleeper])
+    late = _spinner()
+    try:
+        time.sleep(0.5)
+        watch.look([sleeper, late])
+        # (the sleeper may have waited a few hundred microseconds to start: nothing of the late spinner counts)
+        assert watch.sequential and watch.seen_ns[late] > 0.2e9 and watch.forgiven_s() < 0.01, watch.forgiven_s()
+    finally:
+        _stop(late, sleeper)
 
 
 def test_a_tree_with_two_busy_processes_is_forgiven_nothing(competitors):
