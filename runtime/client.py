@@ -138,7 +138,8 @@ class RewardClient:
         """Per-attempt deadline for n samples on one replica: the worst case the server allows, plus grace."""
         r = self.reward
         serial = 1 if r.style == "batch" else math.ceil(n / r.workers)
-        # A chunk that crashes or hangs is re-run one sample per task, so allow twice the serial time.
+        # A chunk that crashes or hangs is re-run one sample per task, so allow twice the serial time. That also
+        # covers a forked sample whose deadline moved by what it waited for a CPU (at most timeout_s + the margin).
         return 2 * serial * (r.timeout_s + HARD_TIMEOUT_MARGIN_S) + self.settings.rpc_grace_s
 
     async def score(self, samples: Sequence[pb.Sample], trainer_state: Optional[pb.TrainerState] = None,

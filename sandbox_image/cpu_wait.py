@@ -8,20 +8,22 @@ container's cgroups are read-only).
 
 What the kernel does tell (``/proc/<pid>/task/<tid>/schedstat``, second field) is how long each task was runnable but
 not running. A unit whose processes were never runnable more than one at a time did not compete with itself: what
-they waited, others took from it, and its deadline moves by as much, up to ``timeout_s`` more in all
+they waited, others took from it, and its deadline moves by as much, up to :func:`most_forgiven_s` more in all
 (:mod:`.forked`, which tells the server, whose deadline for the unit moves with it). A unit with two or more tasks
 runnable at once (the sample that forks the busy processes, a multi-threaded one) gets nothing: its own tasks made
 it wait.
 
 The slot process looks at the unit's processes (every descendant of its own: the slot's uid runs nothing else) at
-random moments while the unit runs, 10 to 30 ms apart by its clock, whatever else wakes it (:meth:`Watch.look`; a
-unit that ends before the first costs nothing), and once more at the deadline. Only what a task waited between two
-looks that both saw it counts: a task first seen at the deadline earns nothing, and so does a unit whose looks were
-kept from happening. To be forgiven its own contention, a unit would have to keep its busy processes asleep
-whenever a look comes, and it cannot know when (the moments come from ``os.urandom``); what it would win is at most
-``timeout_s`` more. (Red team 10: the first version looked only when its wait timed out, so a unit that sent its
-slot process a SIGCHLD every 2 ms stopped every look but the one at the deadline, hid its 8 spinners around it, and
-lived 2x ``timeout_s``.)
+random moments while the unit runs, 20 ms apart on average by its clock, whatever else wakes it (:meth:`Watch.look`;
+a unit that ends before the first costs nothing), and once more at the deadline. The gaps are exponential: however
+long since the last look, the next is as likely to come at once. Only what a task waited between two looks that
+both saw it counts: a task first seen at the deadline earns nothing, and so does a unit whose looks were kept from
+happening. To be forgiven its own contention, a unit would have to keep its busy processes asleep whenever a look
+comes, and it cannot know when (the moments come from ``os.urandom``); what it would win is at most
+:func:`most_forgiven_s` more. Red team 10: the first version looked only when its wait timed out, so a unit that
+sent its slot process a SIGCHLD every 2 ms stopped every look but the one at the deadline, hid its 8 spinners
+around it, and lived 2x ``timeout_s``. Red team 11 saw each look in the slot process's ``/proc`` state and timed its
+spinners to the 10 ms that then always passed before the next look (it was still caught: a spinner left waiting).
 
 A process that runs samples itself (the first units of a request before the server knows the reward's samples taint
 their processes, ``isolation: process``, ``worker``) has no one to watch it: its own timer decides, at the timeout,
@@ -51,6 +53,14 @@ MIN_EXTENSION_MS = 10  # a wait for a CPU shorter than this does not move a dead
 # What a process that runs samples itself may add to their deadlines per request (the server's deadline for a unit is
 # its timeout plus HARD_TIMEOUT_MARGIN_S: half of that is left for the answer to arrive).
 OWN_BUDGET_S = HARD_TIMEOUT_MARGIN_S / 2
+
+
+def most_forgiven_s(timeout_s: float) -> float:
+    """The most a forked unit's deadline may move: as long as any other sample can hold the CPUs. A sample that
+    blocks its own process's timer (one its slot process runs itself) runs until the server's deadline for it,
+    timeout_s + HARD_TIMEOUT_MARGIN_S (red team 11: with timeout_s 1, such a hog outlived the timeout_s an innocent
+    beside it was given, and the innocent ended ``timeout``)."""
+    return timeout_s + HARD_TIMEOUT_MARGIN_S
 _RUNNABLE = frozenset(b"RTt")  # running or waiting for a CPU; or stopped (it may be continued when nobody looks)
 
 

@@ -140,11 +140,11 @@ class Forker:
 
         def extend() -> float:
             # At the deadline: what the unit's processes waited for a CPU that others held is added to it, up to
-            # timeout_s in all (cpu_wait); the server's deadline for the unit moves with it (whole milliseconds).
+            # cpu_wait.most_forgiven_s in all; the server's deadline for the unit moves with it (whole milliseconds).
             watch.look()
             if handed:  # its programs ran beside it, out of its tree (another uid): its wait may be their doing
                 return 0.0
-            allowed_ms = math.ceil(min(watch.forgiven_s(), timeout_s) * 1000)
+            allowed_ms = math.ceil(min(watch.forgiven_s(), cpu_wait.most_forgiven_s(timeout_s)) * 1000)
             extra_ms = allowed_ms - granted[0]
             if extra_ms < cpu_wait.MIN_EXTENSION_MS:
                 return 0.0
@@ -280,9 +280,10 @@ REAP_EVERY_S = 0.02  # while a unit runs, what exited of its processes is reaped
 
 
 def look_interval() -> float:
-    """A random time of 0.5 to 1.5 REAP_EVERY_S, from os.urandom: the random module's at-fork handler would reseed
-    in every child (0.04 ms each), and a unit that could foresee the looks could hide from them (cpu_wait)."""
-    return REAP_EVERY_S * (0.5 + os.urandom(1)[0] / 255)
+    """A random time until the next look (cpu_wait): exponential, REAP_EVERY_S on average (at most 5 times that), so
+    that no time since the last look makes the next one less likely; from os.urandom, as the random module's at-fork
+    handler would reseed in every child (0.04 ms each)."""
+    return min(5.0, -math.log((int.from_bytes(os.urandom(2), "little") + 1) / 65536)) * REAP_EVERY_S
 
 
 def _ignore(signum, frame) -> None:

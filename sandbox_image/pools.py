@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from ..wire import HARD_TIMEOUT_MARGIN_S, Outcome, Status, TrainerState
-from . import codec, memory_use, reuse
+from . import codec, cpu_wait, memory_use, reuse
 from .channel import ChannelClosed, recv, send
 from .records import BatchResult, ChunkResult, FunctionInfo, SampleBatch, WorkerConfig
 
@@ -647,11 +647,11 @@ class FunctionPool:
                 kind = reader.peek()
                 if forked and kind == codec.WAITED:
                     # The slot process moved the unit's deadline (its processes waited for a CPU others held:
-                    # cpu_wait), by up to timeout_s in all; this one moves with it, never further.
+                    # cpu_wait), within cpu_wait.most_forgiven_s in all; this one moves with it, never further.
                     later = codec.waited_seconds(await reader.exactly(codec.WAITED_SIZE, deadline_s))
-                    if moved + later > timeout_s + WAITED_SLACK_S:
-                        raise codec.MalformedResult(f"the unit's deadline moved {moved + later:.3f} s, over "
-                                                    f"timeout_s={timeout_s:g}")
+                    if moved + later > cpu_wait.most_forgiven_s(timeout_s) + WAITED_SLACK_S:
+                        raise codec.MalformedResult(f"the unit's deadline moved {moved + later:.3f} s, more than "
+                                                    f"timeout_s={timeout_s:g} allows")
                     moved += later
                     deadline_s += later
                     continue
