@@ -54,9 +54,12 @@ class _Exit:
 
 def _hung_or_crashed(done: Optional[ChunkResult], failed: Optional[Outcome]):
     """A batch-style call whose answer times out every sample hung (its own soft timeout answered): the same as a
-    worker killed at its deadline."""
-    if done is not None and done.statuses and all(s == Status.TIMEOUT for s in done.statuses):
-        return None, Outcome.failed(Status.TIMEOUT, done.errors[0])
+    worker killed at its deadline. One whose answer is a crash for every sample died (a forked call's child: its
+    slot process answers for it, :mod:`.forked`): the same as a worker that died."""
+    if done is not None and done.statuses:
+        for status in (Status.TIMEOUT, Status.CRASH):
+            if all(s == status for s in done.statuses):
+                return None, Outcome.failed(status, done.errors[0])
     return done, failed
 
 
@@ -259,8 +262,11 @@ class FunctionPool:
         self._live: set = set()  # requests sent and not yet answered
         self._chunk_cap = MAX_CHUNK  # isolation: sample: samples per request; 1 after a taint, doubled after none
         self._taints_logged: set = set()
-        # isolation: sample: samples still to be forked (:mod:`.forked`) since one last tainted its process
-        self._fork_left = 0
+        # isolation: sample: samples still to be forked (:mod:`.forked`) since one last tainted its process. A new
+        # pool's first ones too: until one ran in a process that scores samples itself, nothing says they do not
+        # run code, and there a hostile one that blocks its own timer runs until the server's deadline, longer than
+        # an innocent beside it can be forgiven its wait for a CPU (cpu_wait, red team 11).
+        self._fork_left = FORKED_SAMPLES
         self._can_fork = True  # until a slot process did not fork a forked request
         self._loaded: Optional[asyncio.Future] = None
         self._gate: Optional[asyncio.Semaphore] = None
@@ -739,10 +745,10 @@ class FunctionPool:
             return None, Outcome.failed(Status.INVALID, f"malformed answer from the worker: {e}")
 
     def _forking(self) -> bool:
-        """Whether samples run forked now (:mod:`.forked`): for FORKED_SAMPLES samples after one tainted its process
-        (a sync reward's, isolation: sample), where slot processes can fork. Then a request runs in the process
-        itself again, so a reward that tainted only once (an import on its first call) is soon served at worker
-        speed again."""
+        """Whether samples run forked now (:mod:`.forked`): for a pool's first FORKED_SAMPLES samples, and as many
+        after one tainted its process (a sync reward's, isolation: sample), where slot processes can fork. Then a
+        request runs in the process itself again, so a reward whose samples do not taint (or tainted only once: an
+        import on its first call) is soon served at worker speed."""
         return self._fork_left > 0 and self._can_fork and self.config.isolation == "sample" and \
             not self.info.is_async
 

@@ -129,6 +129,15 @@ def score(sandboxes, name, completions):
 
 def test_a_pure_reward_reuses_its_processes_and_scores_as_worker_isolation_does(sandboxes):
     completions = [f"<think>{i}</think><answer>{i}</answer>" if i % 3 else "no answer" for i in range(512)]
+    # A pool's first samples run forked (pools.FORKED_SAMPLES: nothing says yet that they run no code), each in a
+    # process of its own; then a request runs in the slot process itself, and as none taints, they all do.
+    first = score(sandboxes, "pid", completions)
+    assert first.statuses == [Status.OK] * 512
+    first_pids = {v for v in first.values[:256] if v != -1.0}
+    if sandboxes.runtime == "runc":
+        assert len(first_pids) == sum(1 for i in range(256) if i % 3)
+    else:  # gVisor: slot processes never fork samples (no atomic kill(-1)); they serve them from the first
+        assert len(first_pids) <= 4, first_pids
     reused = score(sandboxes, "pid", completions)
     assert reused.statuses == [Status.OK] * 512
     pids = {v for v in reused.values if v != -1.0}
