@@ -616,16 +616,19 @@ class FunctionPool:
         loop = asyncio.get_running_loop()
         streamed = _Streamed(texts=texts)
         tainted = False
-        forked = self._forks(len(batch))
-        streamed.failed = await self._begin(ours, request, batch, timeout_s, state, forked)
+        asked = self._forks(len(batch))
+        streamed.failed = await self._begin(ours, request, batch, timeout_s, state, asked)
         if streamed.failed is not None:
             return streamed
         units = len(batch) if units is None else units
         per_unit = len(batch) // units
         reader = _Reader(ours, loop)
         unit_s = self._hard_timeout(per_unit, timeout_s)
+        # Forked only once the slot process said so: one that cannot fork (gVisor, local) and died or hung before
+        # its first answer ran its units itself, and which of them did it is not known (see unattributed below).
+        forked = False
         try:
-            if forked:  # a slot process that forks says so first; one that cannot (gVisor, local) never will
+            if asked:  # a slot process that forks says so first; one that cannot never will
                 await reader.fill(1, loop.time() + unit_s)
                 if reader.peek() == codec.RETIRING:  # it scored samples itself before: every unit goes back
                     streamed.retired = True
