@@ -19,7 +19,6 @@ from typing import Callable, Literal, Optional, Sequence
 
 import docker
 import docker.errors
-import docker.utils
 from pydantic import Field
 
 from ..errors import BackendError, ConfigError

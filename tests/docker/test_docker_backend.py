@@ -103,7 +103,8 @@ def test_completions_larger_in_all_than_the_sandbox_holds_are_scored_in_calls_it
         assert report.values[:40] == [4e6] * 40 and report.statuses[:40] == ["ok"] * 40, set(report.errors)
         assert (report.values[41], report.statuses[41]) == (1.0, "ok")
         assert report.statuses[40] == "error" and "raise `memory:` of the reward" in report.errors[40]
-        assert report.errors[40].startswith("this sample is 20.0 MiB, more than one call to reward 'size' may carry (8.0 MiB"), report.errors[40]
+        assert report.errors[40].startswith(
+            "this sample is 20.0 MiB, more than one call to reward 'size' may carry (8.0 MiB"), report.errors[40]
     assert s.replicas["size"][0].restarts == 0
 
 
