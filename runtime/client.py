@@ -261,11 +261,12 @@ class RewardClient:
         fitted = []
         for part in parts:
             sizes = [sample.ByteSize() for _, sample in part]
-            if sum(sizes) <= limit:
+            total = sum(sizes)
+            if total <= limit:
                 fitted.append(part)
                 continue
             if self.reward.style == "batch":
-                failed = Outcome.failed(Status.ERROR, self._too_much(sum(sizes), "the batch's samples are"))
+                failed = Outcome.failed(Status.ERROR, self._too_much(total, "the batch's samples are"))
                 for i, _ in part:
                     share.outcomes[i] = failed
                 continue

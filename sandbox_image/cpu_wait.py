@@ -53,6 +53,7 @@ MIN_EXTENSION_MS = 10  # a wait for a CPU shorter than this does not move a dead
 # What a process that runs samples itself may add to their deadlines per request (the server's deadline for a unit is
 # its timeout plus HARD_TIMEOUT_MARGIN_S: half of that is left for the answer to arrive).
 OWN_BUDGET_S = HARD_TIMEOUT_MARGIN_S / 2
+_RUNNABLE = frozenset(b"RTt")  # running or waiting for a CPU; or stopped (it may be continued when nobody looks)
 
 
 def most_forgiven_s(timeout_s: float) -> float:
@@ -61,7 +62,6 @@ def most_forgiven_s(timeout_s: float) -> float:
     timeout_s + HARD_TIMEOUT_MARGIN_S (red team 11: with timeout_s 1, such a hog outlived the timeout_s an innocent
     beside it was given, and the innocent ended ``timeout``)."""
     return timeout_s + HARD_TIMEOUT_MARGIN_S
-_RUNNABLE = frozenset(b"RTt")  # running or waiting for a CPU; or stopped (it may be continued when nobody looks)
 
 
 class Watch:

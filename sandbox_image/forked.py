@@ -141,9 +141,9 @@ class Forker:
         def extend() -> float:
             # At the deadline: what the unit's processes waited for a CPU that others held is added to it, up to
             # cpu_wait.most_forgiven_s in all; the server's deadline for the unit moves with it (whole milliseconds).
-            watch.look()
             if handed:  # its programs ran beside it, out of its tree (another uid): its wait may be their doing
                 return 0.0
+            watch.look()
             allowed_ms = math.ceil(min(watch.forgiven_s(), cpu_wait.most_forgiven_s(timeout_s)) * 1000)
             extra_ms = allowed_ms - granted[0]
             if extra_ms < cpu_wait.MIN_EXTENSION_MS:

@@ -56,6 +56,9 @@ class Loaded:
     config: WorkerConfig
 
 
+_extended = [0.0]  # how much later the running sample's timer fired than its timeout_s
+
+
 def _on_alarm(signum, frame):
     # What the sample's processes waited for a CPU that others held is not charged to it (cpu_wait), within what
     # this process may still add to its request's deadlines.
@@ -65,10 +68,6 @@ def _on_alarm(signum, frame):
         _setitimer(signal.ITIMER_REAL, later)
         return
     raise _SampleTimeout()
-
-
-_extended = [0.0]  # how much later the running sample's timer fired than its timeout_s
-
 
 
 def _user_line(exc: BaseException, filename: str) -> str:
