@@ -91,8 +91,13 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    hidden = processes.hide_others() if args.slot_uids else None  # needs CAP_SYS_ADMIN: runc (private_tmp userns)
     if args.private_tmp == "userns":
         private_tmp.drop_sys_admin()  # before anything else runs or is forked
+    if hidden is not None:
+        _log("WARNING", f"{hidden}: every sample can read the command lines of the programs other samples run "
+                        "at the same time (/proc/<pid>/cmdline). Under runc the sandbox needs CAP_SYS_ADMIN for "
+                        "this, as for a private /tmp (sandbox.docker.private_tmp); gVisor has no such option.")
     if args.slot_uids:
         try:
             found = scrub_environment_block()

@@ -171,6 +171,7 @@ class Forker:
             try:
                 _quiet()  # SIGCHLD's default action, and no wake-up descriptor (it is this process's to close)
                 processes.set_name("rbx-sample")
+                processes.make_dumpable()  # seen by this process's looks at its tree (cpu_wait) despite hidepid
                 os.close(read_end)
                 for fd in (request_fd, *self.close, *self.wake,
                            *(() if runner_end is None else (runner_end.fileno(),))):

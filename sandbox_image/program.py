@@ -83,9 +83,11 @@ class Workspace:
     # ---- privileges
     def _as_run_uid(self, reaper: bool = False) -> None:
         """Acts as the run uid (files it owns, signals to its processes) while keeping the way back (saved 0).
-        ``reaper``: with a real uid no program has, so none of them can signal this process meanwhile."""
+        ``reaper``: with a real uid no program has, so none of them can signal this process meanwhile, and with
+        root's group, which sees all of them in /proc (processes.hide_others)."""
         uid = self.slot.uid
-        os.setresgid(-1, uid, -1)
+        if not reaper:
+            os.setresgid(-1, uid, -1)
         os.setresuid(uid | processes.REAPER_UID_BIT if reaper else -1, uid, 0)
 
     def _as_root(self) -> None:

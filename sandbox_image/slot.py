@@ -107,14 +107,16 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
     mark = slot.ipc_mark
     if slot.uid is not None:
         os.setgroups([])
-        os.setresgid(slot.uid, slot.uid, slot.uid)
-        # Clean up after the uid's earlier processes while they can neither signal nor trace this one.
+        # Clean up after the uid's earlier processes while they can neither signal nor trace this one, and with
+        # root's group still, which sees all of them in /proc (processes.hide_others: not dumpable, they are
+        # hidden from their own uid).
         os.setresuid(slot.uid | processes.REAPER_UID_BIT, slot.uid, 0)
         if not slot.known_clean:
             kill_uid(slot.uid, atomic=slot.atomic_kill)
             mark = remove_ipc(slot.uid, mark)
         empty(slot.directory)
         os.seteuid(0)  # the capabilities return (the saved uid is 0) for the last changes
+        os.setresgid(slot.uid, slot.uid, slot.uid)
         if slot.private_tmp == "chroot" and processes.unnamed_bytes(slot.directory):
             private_tmp.renew(slot.uid, slot.directory, executable=False)
         private_tmp.become(slot.private_tmp, slot.uid, slot.directory)  # no capability is left after this

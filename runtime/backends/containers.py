@@ -49,6 +49,11 @@ SLOT_DIR_PREFIX = "/tmp/slot-"  # the sandbox's supervisor expects each slot's t
 PRIVATE_TMP_ROOTS = "/tmp/rewardbox-roots"  # gVisor: where the sandbox builds each uid's root (private_tmp.ROOTS)
 CAPABILITIES = ("SETUID", "SETGID", "KILL")
 IPC_OFF = {"kernel.shmmni": "0", "kernel.msgmni": "0", "kernel.sem": "0 0 0 0", "fs.mqueue.queues_max": "0"}
+# No TCP connection outlives its processes in TIME_WAIT (60 s, in the container's network namespace, held by no
+# process: no kill reaches it): it would keep its port from a later sample that binds it (red team 12: an innocent
+# test server's bind() failed with EADDRINUSE in every batch after a hostile closed 4 connections). Runc; gVisor's
+# network stack ignores it. Not with network_mode host (a network: true reward's, where an operator chose it).
+NO_TIME_WAIT = {"net.ipv4.tcp_max_tw_buckets": "0"}
 LOG_MAX_SIZE, LOG_MAX_FILES = "4m", "2"
 
 
@@ -156,8 +161,10 @@ class ContainerSpec:
             # it, typed or not, gets the image directory's 1777 copied over its mode). Slots write their own.
             tmpfs=self.slot_tmpfs(),
             # No SysV IPC objects or POSIX message queues at all (runc; gVisor ignores these and the slots'
-            # cleanup removes what a sample created there).
-            sysctls=IPC_OFF,
+            # cleanup removes what a sample created there), and no TCP TIME_WAIT in a network namespace of its own
+            # (another's, the host's included, is not the container's to set).
+            sysctls=IPC_OFF | ({} if self.network_mode == "host" or self.network_mode.startswith("container:")
+                               else NO_TIME_WAIT),
             mem_limit=self.mem_limit,
             memswap_limit=self.mem_limit,  # no swap beyond the memory limit
             nano_cpus=self.nano_cpus,

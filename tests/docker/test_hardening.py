@@ -148,9 +148,9 @@ def test_container_settings_are_hardened(docker_sandboxes):
     assert host["PidsLimit"] == 99
     assert host["IpcMode"] == "none"  # no /dev/shm that every sample could write
     assert host["LogConfig"]["Config"] == {"max-size": "4m", "max-file": "2"}
-    # no SysV IPC, no message queues; each slot uid has a tmpfs of its own, mode 0700
+    # no SysV IPC, no message queues, no TCP TIME_WAIT; each slot uid has a tmpfs of its own, mode 0700
     assert host["Sysctls"] == {"kernel.shmmni": "0", "kernel.msgmni": "0", "kernel.sem": "0 0 0 0",
-                               "fs.mqueue.queues_max": "0"}
+                               "fs.mqueue.queues_max": "0", "net.ipv4.tcp_max_tw_buckets": "0"}
     slot_mounts = host["Tmpfs"]
     assert len(slot_mounts) == 16  # two versions x 4 warm processes, each with a run uid for its programs
     assert all("nosuid" in o and "nodev" in o and "mode=0700" in o and f"uid={p.rsplit('-', 1)[1]}" in o

@@ -569,3 +569,74 @@ def test_busy_processes_of_one_sample_do_not_time_out_the_innocents_beside_it(ho
         assert (report.values[1:], report.statuses[1:]) == ([i / 8 for i in range(1, 7)], [Status.OK] * 6), \
             (cpu_s, report.errors)
         assert "CONTAMINATED" not in report.logs
+
+
+CMDLINE_WATCHER = """
+import os, time
+found = set()
+end = time.monotonic() + 2.0
+while time.monotonic() < end:  # while the other slot's samples run their programs
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    found.update(w for w in f.read().split(b"\\0") if w.startswith(b"SECRET-"))
+            except OSError:
+                pass
+    time.sleep(0.01)
+print("FOUND", sorted(found))
+score = float(len(found))
+"""
+CMDLINE_HOLDER = """
+import subprocess
+subprocess.run(["python3", "-c", "import time; time.sleep(0.4)", "SECRET-{i}"], check=True)
+score = {i} / 8
+"""
+
+
+@pytest.mark.parametrize("hostile_sandboxes", ["runc"], indirect=True)  # gVisor's /proc has no hidepid: README
+def test_a_sample_cannot_read_the_command_lines_of_programs_other_samples_run(hostile_sandboxes):
+    """A program's command line (/proc/<pid>/cmdline) is readable by every uid unless /proc hides other processes:
+    where a reward passes a sample's code or test data as arguments, a sample beside it would read them (red team
+    12: 3 of 3 batches). The sandbox remounts /proc with hidepid (processes.hide_others)."""
+    batch = [CMDLINE_WATCHER] + [CMDLINE_HOLDER.format(i=i) for i in range(1, 7)]
+    report = _score(hostile_sandboxes, batch)
+    assert report.statuses == [Status.OK] * 7, report.errors
+    assert report.values == [0.0] + [i / 8 for i in range(1, 7)], report.logs[-2000:]
+
+
+TIME_WAIT_MAKER = """
+import socket, time
+for port in range(18760, 18766):  # a connection closed by its accepting side first: that side's port in TIME_WAIT
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", port))
+    server.listen()
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = server.accept()
+    accepted.close()
+    time.sleep(0.02)
+    client.close()
+    server.close()
+score = 0.0
+"""
+PLAIN_SERVER = """
+import socket
+server = socket.socket()  # no SO_REUSEADDR, as a plain test server binds
+server.bind(("127.0.0.1", {port}))
+server.listen()
+server.close()
+score = {i} / 8
+"""
+
+
+@pytest.mark.parametrize("hostile_sandboxes", ["runc"], indirect=True)  # gVisor's network stack keeps TIME_WAIT: README
+def test_connections_a_finished_sample_closed_keep_no_port_from_later_samples(hostile_sandboxes):
+    """TCP keeps a connection its side closed first in TIME_WAIT for 60 s, in the container's network namespace and
+    held by no process, so no kill of a sample's processes ends it: a later sample's bind() to that port failed
+    with EADDRINUSE (red team 12: 6 of 6 batches). The containers keep no TIME_WAIT (containers.NO_TIME_WAIT)."""
+    report = _score(hostile_sandboxes, [TIME_WAIT_MAKER] + INNOCENT[:3])
+    assert report.statuses == [Status.OK] * 4, report.errors
+    later = _score(hostile_sandboxes, [PLAIN_SERVER.format(port=18760 + i, i=i + 1) for i in range(6)])
+    assert later.statuses == [Status.OK] * 6, later.errors
+    assert later.values == [i / 8 for i in range(1, 7)]
