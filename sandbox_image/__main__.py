@@ -91,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    hidden = processes.hide_others() if args.slot_uids else None  # needs CAP_SYS_ADMIN: runc (private_tmp userns)
+    hidden = private_tmp.hide_others() if args.slot_uids else None  # needs CAP_SYS_ADMIN: runc (private_tmp userns)
     if args.private_tmp == "userns":
         private_tmp.drop_sys_admin()  # before anything else runs or is forked
     if hidden is not None:

@@ -101,28 +101,14 @@ def prewarm() -> None:
         getattr(_LIBC, name)
 
 
-_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_RELATIME = 2, 4, 8, 32, 1 << 21
 _PR_SET_DUMPABLE = 4
 
 
-def hide_others() -> Optional[str]:
-    """Remounts ``/proc`` so that each process sees there only the processes it may trace (``hidepid=invisible``:
-    those of its own uid that are dumpable), but for root's group (``gid=0``: the sandbox's own processes, which
-    read every process's figures and kill what a uid left). Without it a sample reads the command line (``cmdline``)
-    of every program the other samples run, whatever its uid: their code or test data where a reward passes them
-    as arguments (red team 12: 3 of 3 batches). As root holding ``CAP_SYS_ADMIN``, before it is dropped (runc, in
-    the sandbox's first process). Returns why it could not be done (gVisor's /proc has no ``hidepid``), or None."""
-    flags = _MS_REMOUNT | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_RELATIME  # as the engine mounts it
-    if _LIBC.mount(b"proc", b"/proc", b"proc", flags, b"hidepid=invisible,gid=0") != 0:
-        return f"remounting /proc with hidepid failed: {os.strerror(ctypes.get_errno())}"
-    return None
-
-
 def make_dumpable() -> None:
-    """Lets the processes of this one's uid see it in ``/proc`` (:func:`hide_others`) and trace it: a slot process's
-    child for one sample (:mod:`.forked`), so that its parent can look at it (:mod:`.cpu_wait`). The slot process
-    itself stays as its uid change left it, not dumpable: its children cannot read its memory (the request's other
-    samples are mapped there). Core dumps stay off (RLIMIT_CORE 0)."""
+    """Lets the processes of this one's uid see it in ``/proc`` (:func:`.private_tmp.hide_others`) and trace it: a
+    slot process's child for one sample (:mod:`.forked`), so that its parent can look at it (:mod:`.cpu_wait`). The
+    slot process itself stays as its uid change left it, not dumpable: its children cannot read its memory (the
+    request's other samples are mapped there). Core dumps stay off (RLIMIT_CORE 0)."""
     _LIBC.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
 
 

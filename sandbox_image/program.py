@@ -84,7 +84,7 @@ class Workspace:
     def _as_run_uid(self, reaper: bool = False) -> None:
         """Acts as the run uid (files it owns, signals to its processes) while keeping the way back (saved 0).
         ``reaper``: with a real uid no program has, so none of them can signal this process meanwhile, and with
-        root's group, which sees all of them in /proc (processes.hide_others)."""
+        root's group, which sees all of them in /proc (private_tmp.hide_others)."""
         uid = self.slot.uid
         if not reaper:
             os.setresgid(-1, uid, -1)

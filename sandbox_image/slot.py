@@ -108,7 +108,7 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
     if slot.uid is not None:
         os.setgroups([])
         # Clean up after the uid's earlier processes while they can neither signal nor trace this one, and with
-        # root's group still, which sees all of them in /proc (processes.hide_others: not dumpable, they are
+        # root's group still, which sees all of them in /proc (private_tmp.hide_others: not dumpable, they are
         # hidden from their own uid).
         os.setresuid(slot.uid | processes.REAPER_UID_BIT, slot.uid, 0)
         if not slot.known_clean:

@@ -598,7 +598,7 @@ score = {i} / 8
 def test_a_sample_cannot_read_the_command_lines_of_programs_other_samples_run(hostile_sandboxes):
     """A program's command line (/proc/<pid>/cmdline) is readable by every uid unless /proc hides other processes:
     where a reward passes a sample's code or test data as arguments, a sample beside it would read them (red team
-    12: 3 of 3 batches). The sandbox remounts /proc with hidepid (processes.hide_others)."""
+    12: 3 of 3 batches). The sandbox remounts /proc with hidepid (private_tmp.hide_others)."""
     batch = [CMDLINE_WATCHER] + [CMDLINE_HOLDER.format(i=i) for i in range(1, 7)]
     report = _score(hostile_sandboxes, batch)
     assert report.statuses == [Status.OK] * 7, report.errors
