@@ -18,6 +18,9 @@ Before the next child starts, everything a unit left is gone:
   is not atomic, and there an orphan need not come back to its subreaper: under gVisor a sample that taints its
   process still retires it, and the template's next process for the slot cleans up (:func:`.slot.prepare`);
 - its ``/tmp`` (the slot's scratch tmpfs) is emptied;
+- what its processes left in flight in a cycle of Unix sockets is freed
+  (:meth:`.sockets.UnixSockets.wait_for_in_flight`): a listening socket there keeps its port until then, and the
+  next sample's ``bind()`` to it would fail;
 - the child's socket to the program runner is its own (:func:`runner_socket`), so a child killed halfway through a
   request leaves no half frame for the next. The runner is sent it only once the child first writes to it, and
   then lets go of it (with what the child left in flight there) before the next child starts
@@ -52,7 +55,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..wire import Outcome, Status
-from . import codec, cpu_wait, processes, run_requests
+from . import codec, cpu_wait, processes, run_requests, sockets
 
 _LENGTH = struct.Struct("<I")
 DONE = b"D"  # the child wrote its answer
@@ -73,6 +76,7 @@ class Forker:
     close: tuple
     runner: Optional[socket.socket]
     scratch: str
+    unix_sockets: sockets.UnixSockets  # its uid's, for what a unit left in flight
     reaper: bool = False
     wake: tuple = ()
 
@@ -114,6 +118,8 @@ class Forker:
             return self._run(answer, score, samples, timeout_s, max_log_bytes, request_fd, attach, send, waited)
         finally:
             answer.close()
+            # After its answer is sent, before the next child starts (a few milliseconds, where any is left)
+            self.unix_sockets.wait_for_in_flight()
 
     def _run(self, answer: mmap.mmap, score: Callable[[], bytes], samples: int, timeout_s: float,
              max_log_bytes: int, request_fd: int, attach: Callable, send: Callable,
@@ -173,9 +179,10 @@ class Forker:
                 processes.set_name("rbx-sample")
                 processes.make_dumpable()  # seen by this process's looks at its tree (cpu_wait) despite hidepid
                 os.close(read_end)
-                for fd in (request_fd, *self.close, *self.wake,
+                for fd in (request_fd, *self.close, *self.wake, self.unix_sockets.fileno(),
                            *(() if runner_end is None else (runner_end.fileno(),))):
-                    os.close(fd)
+                    if fd >= 0:
+                        os.close(fd)
                 attach(child_end)
                 data = score()
                 answer[:_LENGTH.size] = _LENGTH.pack(len(data))

@@ -11,7 +11,8 @@ code of ours):
 3. limits: RLIMIT_NPROC (a fork bomb stops there, the other samples can still fork), no core files, and
    ``oom_score_adj`` 1000 (the OOM killer takes a sample before the server);
 4. whatever an earlier process of this uid left is removed: every process (``setsid`` daemons included), its SysV
-   IPC objects and POSIX message queues, and the contents of the scratch directory;
+   IPC objects and POSIX message queues, the contents of the scratch directory, and (once freed: a port they
+   hold) its sockets left in flight (:meth:`.sockets.UnixSockets.wait_for_in_flight`);
 5. docker backend: its scratch directory is mounted on ``/tmp`` in a mount namespace of its own (:mod:`.private_tmp`)
    where the container allows it;
 6. cwd, HOME and TMPDIR are the scratch directory (``/tmp`` where it is mounted there).
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..wire import Outcome, Status, trainer_state_from_dict
-from . import codec, cpu_wait, execution, forked, private_tmp, processes, reuse, run_requests, seccomp, worker
+from . import codec, cpu_wait, execution, forked, private_tmp, processes, reuse, run_requests, seccomp, sockets, worker
 from .channel import ChannelClosed, optional_fd, recv
 from .processes import die_with_parent, empty, kill_uid, remove_ipc
 
@@ -115,6 +116,9 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
             kill_uid(slot.uid, atomic=slot.atomic_kill)
             mark = remove_ipc(slot.uid, mark)
         empty(slot.directory)
+        in_flight = sockets.UnixSockets(slot.uid)  # what they left in flight in a cycle: a port, held until freed
+        in_flight.wait_for_in_flight()
+        in_flight.close()
         os.seteuid(0)  # the capabilities return (the saved uid is 0) for the last changes
         os.setresgid(slot.uid, slot.uid, slot.uid)
         if slot.private_tmp == "chroot" and processes.unnamed_bytes(slot.directory):
@@ -501,7 +505,8 @@ def run(loaded: worker.Loaded, slot: SlotSpec, control: socket.socket, mode: str
         # kill(-1) must reach only the slot's uid (not the local backend's), and all of it at once (not gVisor)
         if mode == "sample" and slot.uid is not None and slot.atomic_kill:
             forker = forked.Forker(close=(control.fileno(),), runner=execution.attached_socket(),
-                                   scratch=private_tmp.home(slot.private_tmp, slot.directory))
+                                   scratch=private_tmp.home(slot.private_tmp, slot.directory),
+                                   unix_sockets=sockets.UnixSockets(slot.uid))
         serve(loaded, control, mode, mark, forker)
     except BaseException:  # noqa: BLE001 - reward code ran in this process: nothing it says is reported
         code = 70

@@ -1,10 +1,17 @@
-"""What the sandbox's sockets hold, for the memory guard: kernel memory that no process's resident set shows.
+"""What the sandbox's sockets hold: kernel memory that no process's resident set shows (for the memory guard), and
+sockets that a finished sample left in flight (for cleanup).
 
 Linux (runc): ``sock_diag`` (netlink, no privilege needed, this network namespace only) lists every socket with the
 uid that made it and the bytes queued on it: Unix sockets (what each sent that is still queued, held open or in
 flight alike) and TCP and UDP ones over IPv4 and IPv6 (:func:`bytes_by_uid`). What a socket holds is real kernel
 memory, so a sample cannot make it count for more than it costs, as it could when the guard counted 240 KiB for
 every descriptor slot of every process (a ``dup2`` to descriptor 511 counted for 120 MiB; red team).
+
+A sample's sockets close when its processes die, except those left in flight: sent over a Unix socket that is itself
+in flight (a cycle). Linux's collector frees a cycle only when some Unix socket is released somewhere while one is in
+flight, and until then a listening socket carried in it keeps its port: the next sample's plain ``bind()`` to that
+port failed (red team 13). Cleanup releases one itself and waits until the uid has no Unix socket left
+(:meth:`UnixSockets.wait_for_in_flight`): every socket in flight rides in one.
 
 gVisor has no ``sock_diag``. There its ``/proc`` lets any uid read another process's descriptors
 (``socket:[inode]``), and ``/proc/net`` lists every socket with its inode (:func:`listed`, :func:`held_by`): a socket
@@ -18,6 +25,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import time
 from typing import Iterable, Optional
 
 _NETLINK_SOCK_DIAG = 4
@@ -28,8 +36,10 @@ _HEADER = struct.Struct("=IHHII")  # struct nlmsghdr
 _ATTRIBUTE = struct.Struct("=HH")  # struct rtattr
 # Unix: struct unix_diag_req; show its memory (UNIX_DIAG_MEMINFO, attribute 5) and its uid (UNIX_DIAG_UID, 7)
 _UNIX_REQUEST = struct.Struct("=BBHIIIII")
-_UNIX_SHOW = 0x20 | 0x40
+_UNIX_SHOW_MEMINFO, _UNIX_SHOW_UID = 0x20, 0x40
+_UNIX_SHOW = _UNIX_SHOW_MEMINFO | _UNIX_SHOW_UID
 _UNIX_MESSAGE = 16  # struct unix_diag_msg
+_UNIX_INODE_AT = 4  # its inode
 _UNIX_MEMINFO, _UNIX_UID = 5, 7
 # TCP and UDP: struct inet_diag_req_v2 (its socket id zeroed: every socket); show INET_DIAG_SKMEMINFO (7)
 _INET_REQUEST = struct.Struct("=BBBxI48x")
@@ -67,6 +77,132 @@ def bytes_by_uid() -> Optional[dict]:
     except OSError:
         return None
     return found
+
+
+class UnixSockets:
+    """A ``sock_diag`` socket kept open for listing the Unix sockets of one uid, once per forked sample: opened once,
+    read into one buffer (each page a slot process writes after a fork costs a fault, so little is written)."""
+
+    def __init__(self, uid: int):
+        self.uid = uid
+        self.passed: set = set()  # not waited for again (wait_for_in_flight)
+        self._buffer = bytearray(1 << 13)  # a few messages at a time: a large buffer costs more
+        request = _UNIX_REQUEST.pack(socket.AF_UNIX, 0, 0, _ALL_STATES, 0, _UNIX_SHOW_UID, 0xFFFFFFFF, 0xFFFFFFFF)
+        self._request = _HEADER.pack(_HEADER.size + len(request), _SOCK_DIAG_BY_FAMILY,
+                                     _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0) + request
+        try:
+            self._diag: Optional[socket.socket] = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW,
+                                                                _NETLINK_SOCK_DIAG)
+        except OSError:
+            self._diag = None  # gVisor
+        else:
+            self._diag.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 1, 0))
+
+    def fileno(self) -> int:
+        """Its descriptor (-1 where there is none), which a forked child closes."""
+        return -1 if self._diag is None else self._diag.fileno()
+
+    def close(self) -> None:
+        if self._diag is not None:
+            self._diag.close()
+            self._diag = None
+
+    def listed(self) -> Optional[set]:
+        """The inodes of the Unix sockets its uid made in this network namespace (open or in flight), or None where
+        the kernel has no ``sock_diag`` (gVisor) or the dump failed."""
+        diag, data = self._diag, self._buffer
+        if diag is None:
+            return None
+        inodes: set = set()
+        try:
+            diag.send(self._request)
+            while True:
+                size = diag.recv_into(data)
+                if size < _HEADER.size:
+                    return inodes if not size else None
+                if not self._read_part(data, size, inodes):
+                    return inodes
+        except OSError:
+            return None
+
+    def _read_part(self, data: bytearray, size: int, inodes: set) -> bool:
+        """Adds to ``inodes`` those of its uid's sockets in one part of a dump. Returns whether more parts follow.
+        Every socket of the sandbox is in the dump (about 140 of them beside two busy slots), once per forked sample:
+        read one by one in Python they cost 0.1 ms a sample. So where the part's messages are alike (one header,
+        hence one length and one layout: the kernel writes the same attributes for each), its uid's are found by
+        the bytes of their uid attribute at its place, at the speed of ``bytes.find``; otherwise one by one."""
+        length, kind, _, _, _ = _HEADER.unpack_from(data, 0)
+        if kind == _NLMSG_DONE:
+            return False
+        if kind == _NLMSG_ERROR or length < _HEADER.size + _UNIX_MESSAGE or length > size:
+            raise OSError("sock_diag refused the dump")
+        count, rest = divmod(size, length)
+        header = bytes(data[:_HEADER.size])
+        at = self._uid_at(data, length)
+        alike = at is not None and data.count(header, 0, count * length) == count and (
+            rest == 0 or (rest >= _HEADER.size and _HEADER.unpack_from(data, count * length)[1] == _NLMSG_DONE))
+        if alike:
+            pattern = _ATTRIBUTE.pack(_ATTRIBUTE.size + 4, _UNIX_UID) + _U32.pack(self.uid)
+            hit = data.find(pattern, 0, count * length)
+            while hit >= 0:
+                record, offset = divmod(hit, length)
+                if offset == at:
+                    inodes.add(_U32.unpack_from(data, record * length + _HEADER.size + _UNIX_INODE_AT)[0])
+                hit = data.find(pattern, hit + 1, count * length)
+            return rest == 0
+        at = 0
+        while at + _HEADER.size <= size:
+            length, kind, _, _, _ = _HEADER.unpack_from(data, at)
+            if kind == _NLMSG_DONE:
+                return False
+            if kind == _NLMSG_ERROR or length < _HEADER.size + _UNIX_MESSAGE or at + length > size:
+                raise OSError("sock_diag refused the dump, or cut it short")
+            body = at + _HEADER.size
+            offset = self._uid_at(data[at:at + length], length)
+            if offset is not None and _U32.unpack_from(data, at + offset + _ATTRIBUTE.size)[0] == self.uid:
+                inodes.add(_U32.unpack_from(data, body + _UNIX_INODE_AT)[0])
+            at += (length + 3) & ~3
+        return True
+
+    @staticmethod
+    def _uid_at(message, length: int) -> Optional[int]:
+        """Where the uid attribute of the message at the start of ``message`` is (None: it has none)."""
+        attribute = _HEADER.size + _UNIX_MESSAGE
+        while attribute + _ATTRIBUTE.size <= length:
+            size, what = _ATTRIBUTE.unpack_from(message, attribute)
+            if size < _ATTRIBUTE.size:
+                return None
+            if what == _UNIX_UID and size >= _ATTRIBUTE.size + 4:
+                return attribute
+            attribute += (size + 3) & ~3
+        return None
+
+    def wait_for_in_flight(self, most_s: float = 0.1) -> Optional[set]:
+        """From cleanup, once every process of its uid is gone: waits (at most ``most_s``) until no Unix socket of
+        the uid is left but those this process holds and those an earlier wait gave up on (``passed``: held by a
+        process of another uid that received them, or a cycle through another uid's socket; not this sample's
+        leftover, and not waited for again). Adds to ``passed`` its own and those it gives up on. Returns the latter
+        (empty: none was left), or None where the kernel has no ``sock_diag`` (gVisor)."""
+        left = self.listed()
+        if not left or not (left := left - self.passed):
+            return left
+        own = left & held_by(os.getpid(), most=1 << 20)[0]
+        self.passed |= own  # its own (socket inodes are not reused soon: a counter of 2**32)
+        left -= own
+        end = time.monotonic() + most_s
+        pause = 0.0002
+        while left and time.monotonic() < end:
+            # Linux runs its collector when a Unix socket is released while any is in flight (anywhere on the
+            # machine): without one released, a cycle that a sample's processes left as they died may wait for long
+            # (500 ms and more, measured).
+            a, b = socket.socketpair()
+            a.close()
+            b.close()
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
+            left = (self.listed() or set()) - self.passed
+        self.passed |= left
+        return left
 
 
 def _dump(diag: socket.socket, request: bytes, message: int, uid_kind: Optional[int], memory_kind: int,
