@@ -17,10 +17,10 @@ Before the next child starts, everything a unit left is gone:
   once ``waitpid`` finds no child left, none is left anywhere (no ``/proc`` scan is needed). gVisor's ``kill(-1)``
   is not atomic, and there an orphan need not come back to its subreaper: under gVisor a sample that taints its
   process still retires it, and the template's next process for the slot cleans up (:func:`.slot.prepare`);
-- its ``/tmp`` (the slot's scratch tmpfs) is emptied;
 - what its processes left in flight in a cycle of Unix sockets is freed
   (:meth:`.sockets.UnixSockets.wait_for_in_flight`): a listening socket there keeps its port until then, and the
   next sample's ``bind()`` to it would fail;
+- its ``/tmp`` (the slot's scratch tmpfs) is emptied;
 - the child's socket to the program runner is its own (:func:`runner_socket`), so a child killed halfway through a
   request leaves no half frame for the next. The runner is sent it only once the child first writes to it, and
   then lets go of it (with what the child left in flight there) before the next child starts
@@ -118,8 +118,6 @@ class Forker:
             return self._run(answer, score, samples, timeout_s, max_log_bytes, request_fd, attach, send, waited)
         finally:
             answer.close()
-            # After its answer is sent, before the next child starts (a few milliseconds, where any is left)
-            self.unix_sockets.wait_for_in_flight()
 
     def _run(self, answer: mmap.mmap, score: Callable[[], bytes], samples: int, timeout_s: float,
              max_log_bytes: int, request_fd: int, attach: Callable, send: Callable,
@@ -211,17 +209,20 @@ class Forker:
             if runner_end is not None:
                 runner_end.close()
         status = reaped.get(pid, status)
+        if handed and not (handed[0] and run_requests.release(self.runner)):
+            # Its next process gets a socket of its own, and with it a monitor of its own.
+            retire = retire or "the program runner is gone, or did not let go of a finished sample's socket"
         try:
             _drain(self.wake[0])  # its SIGCHLDs' bytes would wake the next unit's wait for nothing
+            # What its processes left in flight in a cycle of Unix sockets is freed first (a few milliseconds where
+            # any is left): a listener riding there holds its port, an unlinked file the bytes of this /tmp.
+            self.unix_sockets.wait_for_in_flight()
             if processes.empty_own_tmpfs(self.scratch):
                 # Held by something no kill reaches (gVisor: a Unix socket sent over itself): the slot's next
                 # process gets a fresh tmpfs (slot.prepare).
                 retire = retire or "its /tmp still holds data no file name reaches"
         except OSError as e:
             retire = retire or f"what a sample left could not be removed: {e}"
-        if handed and not (handed[0] and run_requests.release(self.runner)):
-            # Its next process gets a socket of its own, and with it a monitor of its own.
-            retire = retire or "the program runner is gone, or did not let go of a finished sample's socket"
         if failed is Status.OK:  # nothing of the uid is left: the answer holds still while it is checked and sent
             (length,) = _LENGTH.unpack_from(answer, 0)
             limit = len(answer) - _LENGTH.size

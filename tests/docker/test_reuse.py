@@ -471,6 +471,65 @@ def test_a_sample_that_fills_socket_buffers_from_many_forks_dies_near_the_limit_
     _hog_beside_a_holder(sandboxes, hog)
 
 
+CLOSED_SENDERS = """
+import os, socket, time
+for _ in range(12):
+    if os.fork() == 0:
+        keep = []
+        try:
+            for _ in range(400):  # 12 forks: about 1.1 GB, past the limit
+                a, b = socket.socketpair()
+                a.setblocking(False)
+                try:
+                    while True:
+                        a.send(bytes(65536))
+                except BlockingIOError:
+                    pass
+                a.close()  # what it sent stays queued at b
+                keep.append(b)
+        except OSError:
+            pass  # out of descriptors
+        time.sleep(30)
+        os._exit(0)
+time.sleep(4)
+score = 9.0
+"""
+NOT_ACCEPTED = """
+import os, socket, time
+listeners, sent = [], 0
+try:
+    while sent < 900 << 20:
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(f"\\0hog-{os.getpid()}-{len(listeners)}")
+        listener.listen(4096)
+        listeners.append(listener)
+        for _ in range(4096):
+            client = socket.socket(socket.AF_UNIX)
+            client.connect(listener.getsockname())
+            client.setblocking(False)
+            try:
+                while True:
+                    sent += client.send(bytes(65536))
+            except BlockingIOError:
+                pass
+            client.close()  # what it sent stays queued at the connection, which no one accepts
+except OSError:
+    pass
+time.sleep(4)
+score = 9.0
+"""
+
+
+@pytest.mark.parametrize("sandboxes", ["runc"], indirect=True)  # gVisor: the sandbox itself ends (README, open)
+def test_what_a_closed_sender_left_queued_counts_for_its_receiver_and_the_guard_kills_that_sample(sandboxes):
+    # Linux counts what a Unix socket sent and its peer has not read yet as the sender's; once the sender is
+    # closed, sock_diag lists it no more. 600 MB hidden so, at the receiving ends of socket pairs or at connections
+    # a listener never accepted, were memory no process held: the guard stopped the whole sandbox, and every
+    # innocent beside it ended unavailable (red team 14). They count for the receiver's uid now.
+    for hog in (CLOSED_SENDERS, NOT_ACCEPTED):
+        _hog_beside_a_holder(sandboxes, hog)
+
+
 def test_a_sample_whose_programs_output_fills_the_runner_dies_near_the_limit_not_an_innocent(sandboxes):
     # The program runner's monitor (root) holds each run's output until the sample's request is answered: a
     # program writing hundreds of MiB held almost nothing itself, and the guard killed the innocent, the biggest
