@@ -3,7 +3,8 @@ sockets that a finished sample left in flight (for cleanup).
 
 Linux (runc): ``sock_diag`` (netlink, no privilege needed, this network namespace only) lists every socket with the
 uid that made it and the bytes queued on it: Unix sockets (what each sent that is still queued, held open or in
-flight alike) and TCP and UDP ones over IPv4 and IPv6 (:func:`bytes_by_uid`). What a socket holds is real kernel
+flight alike; what a closed one sent, at its receiver: SKB_BYTES) and TCP and UDP ones over IPv4 and IPv6
+(:func:`bytes_by_uid`). What a socket holds is real kernel
 memory, so a sample cannot make it count for more than it costs, as it could when the guard counted 240 KiB for
 every descriptor slot of every process (a ``dup2`` to descriptor 511 counted for 120 MiB; red team).
 
@@ -34,7 +35,7 @@ _NLM_F_REQUEST, _NLM_F_DUMP = 0x1, 0x300
 _NLMSG_ERROR, _NLMSG_DONE = 2, 3
 _HEADER = struct.Struct("=IHHII")  # struct nlmsghdr
 _ATTRIBUTE = struct.Struct("=HH")  # struct rtattr
-# Unix: struct unix_diag_req; show its memory (UNIX_DIAG_MEMINFO, attribute 5) and its uid (UNIX_DIAG_UID, 7)
+# Unix: struct unix_diag_req, the UDIAG_SHOW_* flags of what to show, and the UNIX_DIAG_* attributes that show it
 _UNIX_REQUEST = struct.Struct("=BBHIIIII")
 _UNIX_SHOW_PEER, _UNIX_SHOW_RQLEN, _UNIX_SHOW_MEMINFO, _UNIX_SHOW_UID = 0x04, 0x10, 0x20, 0x40
 _UNIX_MESSAGE = 16  # struct unix_diag_msg
@@ -42,9 +43,8 @@ _UNIX_INODE_AT = 4  # its inode
 _UNIX_PEER, _UNIX_RQLEN, _UNIX_MEMINFO, _UNIX_SHUTDOWN, _UNIX_UID = 2, 4, 5, 6, 7
 _SHUT_BOTH = 3  # a stream socket's, once its peer closed
 # The attributes of each Unix socket in the dump _unix_dump asks for, after its peer's (8 bytes, where it has one):
-# its queue's length (two u32), its memory (sk_meminfo: 9 u32), its shutdown (a u8) and its uid.
-# Read: the queue's kind and length; rmem, wmem, forward, wqueued, options (as _MEMINFO); the shutdown; the uid's kind
-# and the uid.
+# its queue's length (two u32), its memory (sk_meminfo: 9 u32), its shutdown (a u8) and its uid. Read of them: the
+# queue's kind and length; rmem, wmem, forward, wqueued, options (as _MEMINFO); the shutdown; the uid's kind and uid.
 _UNIX_TAIL = struct.Struct("=2xHI4x" "4xI4xI4xIII8x" "4xB3x" "2xHI")
 _UNIX_TAIL_SIZES = (_UNIX_TAIL.size, _UNIX_TAIL.size + 8)
 _PEER_KIND = (8, 2)
