@@ -102,7 +102,7 @@ def bytes_by_uid() -> Optional[dict]:
             for family in (socket.AF_INET, socket.AF_INET6):
                 for protocol in (socket.IPPROTO_TCP, socket.IPPROTO_UDP):
                     request = _INET_REQUEST.pack(family, protocol, 1 << (_INET_SKMEMINFO - 1), _ALL_STATES)
-                    _dump(diag, request, _INET_MESSAGE, None, _INET_SKMEMINFO, found)
+                    _inet_dump(diag, request, found)
     except OSError:
         return None
     return found
@@ -256,74 +256,57 @@ def _unix_dump(diag: socket.socket, found: dict) -> None:
     SKB_BYTES), at a socket or at a connection a listener has not accepted yet."""
     show = _UNIX_SHOW_PEER | _UNIX_SHOW_RQLEN | _UNIX_SHOW_MEMINFO | _UNIX_SHOW_UID
     request = _UNIX_REQUEST.pack(socket.AF_UNIX, 0, 0, _ALL_STATES, 0, show, 0xFFFFFFFF, 0xFFFFFFFF)
-    diag.send(_HEADER.pack(_HEADER.size + len(request), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0)
-              + request)
     listed: set = set()
     unread: list = []  # (its uid, bytes queued at it, whether it takes datagrams, its peer's inode or None)
     pending: dict = {}  # {uid: connections its listeners have not accepted yet}
     connecting: dict = {}  # {uid: its connected sockets whose peer is such a connection (no inode yet)}
-    unpack_header, unpack_attribute, unpack_memory = _HEADER.unpack_from, _ATTRIBUTE.unpack_from, _MEMINFO.unpack_from
+    unpack_attribute, unpack_memory = _ATTRIBUTE.unpack_from, _MEMINFO.unpack_from
     unpack_u32, unpack_head, unpack_tail = _U32.unpack_from, _UNIX_MESSAGE_HEAD.unpack_from, _UNIX_TAIL.unpack_from
-    done = False
-    while not done:
-        data = diag.recv(1 << 17)
-        if not data:
-            break
-        at = 0
-        while at + _HEADER.size <= len(data):
-            length, kind, _, _, _ = unpack_header(data, at)
-            if kind == _NLMSG_DONE:
-                done = True
+    for data, body, end in _messages(diag, request, _UNIX_MESSAGE):
+        kind_of, state, inode = unpack_head(data, body)
+        uid = queued = waiting = shutdown = 0
+        peer = None
+        attribute = body + _UNIX_MESSAGE
+        # As Linux writes them (a peer's inode, if any; then the queue's length, the memory, the shutdown and
+        # the uid, in that order): read in one step. Tens of thousands are read near the mark.
+        if end - attribute in _UNIX_TAIL_SIZES and end >= attribute + _UNIX_TAIL.size:
+            first, waiting, rmem, wmem, forward, wqueued, options, shutdown, last, uid = \
+                unpack_tail(data, end - _UNIX_TAIL.size)
+            # the first and the last where they belong (the length fixes those between)
+            if first == _UNIX_RQLEN and last == _UNIX_UID:
+                if end - attribute > _UNIX_TAIL.size:
+                    if unpack_attribute(data, attribute) != _PEER_KIND:
+                        raise OSError("sock_diag answered an attribute out of its place")
+                    peer = unpack_u32(data, attribute + _ATTRIBUTE.size)[0]
+                queued = rmem + max(wmem, wqueued) + forward + options
+                attribute = end
+            else:
+                waiting = shutdown = uid = 0
+        while attribute + _ATTRIBUTE.size <= end:
+            size, what = unpack_attribute(data, attribute)
+            if size < _ATTRIBUTE.size:
                 break
-            if kind == _NLMSG_ERROR or length < _HEADER.size + _UNIX_MESSAGE:
-                raise OSError("sock_diag refused the dump")
-            end = at + length
-            body = at + _HEADER.size
-            kind_of, state, inode = unpack_head(data, body)
-            uid = queued = waiting = shutdown = 0
-            peer = None
-            attribute = body + _UNIX_MESSAGE
-            # As Linux writes them (a peer's inode, if any; then the queue's length, the memory, the shutdown and
-            # the uid, in that order): read in one step. Tens of thousands are read near the mark.
-            if end - attribute in _UNIX_TAIL_SIZES and end >= attribute + _UNIX_TAIL.size:
-                first, waiting, rmem, wmem, forward, wqueued, options, shutdown, last, uid = \
-                    unpack_tail(data, end - _UNIX_TAIL.size)
-                # the first and the last where they belong (the length fixes those between)
-                if first == _UNIX_RQLEN and last == _UNIX_UID:
-                    if end - attribute > _UNIX_TAIL.size:
-                        if unpack_attribute(data, attribute) != _PEER_KIND:
-                            raise OSError("sock_diag answered an attribute out of its place")
-                        peer = unpack_u32(data, attribute + _ATTRIBUTE.size)[0]
-                    queued = rmem + max(wmem, wqueued) + forward + options
-                    attribute = end
-                else:
-                    waiting = shutdown = uid = 0
-            while attribute + _ATTRIBUTE.size <= end:
-                size, what = unpack_attribute(data, attribute)
-                if size < _ATTRIBUTE.size:
-                    break
-                value = attribute + _ATTRIBUTE.size
-                if what == _UNIX_MEMINFO and size >= _ATTRIBUTE.size + _MEMINFO.size:
-                    rmem, _, wmem, _, forward, wqueued, options = unpack_memory(data, value)
-                    queued = rmem + max(wmem, wqueued) + forward + options
-                elif what == _UNIX_UID and size >= _ATTRIBUTE.size + 4:
-                    uid = unpack_u32(data, value)[0]
-                elif what == _UNIX_PEER and size >= _ATTRIBUTE.size + 4:
-                    peer = unpack_u32(data, value)[0]
-                elif what == _UNIX_RQLEN and size >= _ATTRIBUTE.size + 8:
-                    waiting = unpack_u32(data, value)[0]
-                elif what == _UNIX_SHUTDOWN and size >= _ATTRIBUTE.size + 1:
-                    shutdown = data[value]
-                attribute += (size + 3) & ~3
-            listed.add(inode)
-            found[uid] = found.get(uid, 0) + SOCKET_OBJECT_BYTES + queued
-            if state == _TCP_LISTEN:
-                pending[uid] = pending.get(uid, 0) + waiting  # its queue's length: connections
-            elif peer == 0 and shutdown != _SHUT_BOTH:  # a peer without inode: the connection, not accepted yet
-                connecting[uid] = connecting.get(uid, 0) + 1
-            elif waiting:
-                unread.append((uid, waiting, kind_of == socket.SOCK_DGRAM, peer))
-            at += (length + 3) & ~3
+            value = attribute + _ATTRIBUTE.size
+            if what == _UNIX_MEMINFO and size >= _ATTRIBUTE.size + _MEMINFO.size:
+                rmem, _, wmem, _, forward, wqueued, options = unpack_memory(data, value)
+                queued = rmem + max(wmem, wqueued) + forward + options
+            elif what == _UNIX_UID and size >= _ATTRIBUTE.size + 4:
+                uid = unpack_u32(data, value)[0]
+            elif what == _UNIX_PEER and size >= _ATTRIBUTE.size + 4:
+                peer = unpack_u32(data, value)[0]
+            elif what == _UNIX_RQLEN and size >= _ATTRIBUTE.size + 8:
+                waiting = unpack_u32(data, value)[0]
+            elif what == _UNIX_SHUTDOWN and size >= _ATTRIBUTE.size + 1:
+                shutdown = data[value]
+            attribute += (size + 3) & ~3
+        listed.add(inode)
+        found[uid] = found.get(uid, 0) + SOCKET_OBJECT_BYTES + queued
+        if state == _TCP_LISTEN:
+            pending[uid] = pending.get(uid, 0) + waiting  # its queue's length: connections
+        elif peer == 0 and shutdown != _SHUT_BOTH:  # a peer without inode: the connection, not accepted yet
+            connecting[uid] = connecting.get(uid, 0) + 1
+        elif waiting:
+            unread.append((uid, waiting, kind_of == socket.SOCK_DGRAM, peer))
     for uid, waiting, datagrams, peer in unread:
         if peer and peer in listed:
             continue  # its sender's send buffer counts it (a closed one has no inode any more)
@@ -339,14 +322,35 @@ def _unix_dump(diag: socket.socket, found: dict) -> None:
             found[uid] = found.get(uid, 0) + closed * (SOCKET_OBJECT_BYTES + SEND_BUFFER_MOST)
 
 
-def _dump(diag: socket.socket, request: bytes, message: int, uid_kind: Optional[int], memory_kind: int,
-          found: dict) -> None:
-    """Adds to ``found`` ({uid: bytes}) what each socket of a sock_diag dump holds. Read in place: a sample may make
-    tens of thousands of sockets, and the guard reads them all near the limit (16,000 took 35 ms sliced apart)."""
+def _inet_dump(diag: socket.socket, request: bytes, found: dict) -> None:
+    """Adds to ``found`` ({uid: bytes}) what each socket of a TCP or UDP dump holds."""
+    unpack_attribute, unpack_memory, unpack_u32 = _ATTRIBUTE.unpack_from, _MEMINFO.unpack_from, _U32.unpack_from
+    for data, body, end in _messages(diag, request, _INET_MESSAGE):
+        uid = unpack_u32(data, body + _INET_UID_AT)[0]
+        queued = 0
+        attribute = body + _INET_MESSAGE
+        while attribute + _ATTRIBUTE.size <= end:
+            size, what = unpack_attribute(data, attribute)
+            if size < _ATTRIBUTE.size:
+                break
+            if what == _INET_SKMEMINFO and size >= _ATTRIBUTE.size + _MEMINFO.size:
+                rmem, _, wmem, _, forward, wqueued, options = unpack_memory(data, attribute + _ATTRIBUTE.size)
+                queued = rmem + max(wmem, wqueued) + forward + options
+            attribute += (size + 3) & ~3
+        found[uid] = found.get(uid, 0) + SOCKET_OBJECT_BYTES + queued
+
+
+def _messages(diag: socket.socket, request: bytes, message: int):
+    """Sends a sock_diag dump ``request`` and yields each message of its answer, read in place: (the part it is in,
+    where its body starts, where it ends). A sample may make tens of thousands of sockets, and the guard reads them
+    all near the limit (16,000 took 35 ms sliced apart).
+
+    Raises:
+        OSError: the kernel refused the dump, or a message is shorter than ``message`` bytes.
+    """
     diag.send(_HEADER.pack(_HEADER.size + len(request), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0)
               + request)
-    unpack_header, unpack_attribute, unpack_memory = _HEADER.unpack_from, _ATTRIBUTE.unpack_from, _MEMINFO.unpack_from
-    unpack_u32 = _U32.unpack_from
+    unpack_header = _HEADER.unpack_from
     while True:
         data = diag.recv(1 << 17)
         if not data:
@@ -358,23 +362,7 @@ def _dump(diag: socket.socket, request: bytes, message: int, uid_kind: Optional[
                 return
             if kind == _NLMSG_ERROR or length < _HEADER.size + message:
                 raise OSError("sock_diag refused the dump")
-            end = at + length
-            body = at + _HEADER.size
-            uid = unpack_u32(data, body + _INET_UID_AT)[0] if uid_kind is None else None
-            queued = 0
-            attribute = body + message
-            while attribute + _ATTRIBUTE.size <= end:
-                size, what = unpack_attribute(data, attribute)
-                if size < _ATTRIBUTE.size:
-                    break
-                if what == memory_kind and size >= _ATTRIBUTE.size + _MEMINFO.size:
-                    rmem, _, wmem, _, forward, wqueued, options = unpack_memory(data, attribute + _ATTRIBUTE.size)
-                    queued = rmem + max(wmem, wqueued) + forward + options
-                elif what == uid_kind and size >= _ATTRIBUTE.size + 4:
-                    uid = unpack_u32(data, attribute + _ATTRIBUTE.size)[0]
-                attribute += (size + 3) & ~3
-            if uid is not None:
-                found[uid] = found.get(uid, 0) + SOCKET_OBJECT_BYTES + queued
+            yield data, at + _HEADER.size, at + length
             at += (length + 3) & ~3
 
 
