@@ -3,7 +3,7 @@ sockets that a finished sample left in flight (for cleanup).
 
 Linux (runc): ``sock_diag`` (netlink, no privilege needed, this network namespace only) lists every socket with the
 uid that made it and the bytes queued on it: Unix sockets (what each sent that is still queued, held open or in
-flight alike; what a closed one sent, at its receiver: SKB_BYTES) and TCP and UDP ones over IPv4 and IPv6
+flight alike; what a closed one sent, at its receiver: SEND_BUFFER_MOST) and TCP and UDP ones over IPv4 and IPv6
 (:func:`bytes_by_uid`). What a socket holds is real kernel
 memory, so a sample cannot make it count for more than it costs, as it could when the guard counted 240 KiB for
 every descriptor slot of every process (a ``dup2`` to descriptor 511 counted for 120 MiB; red team).
@@ -67,12 +67,11 @@ SOCKET_OBJECT_BYTES = 2560
 # What a Unix socket's sender leaves queued at its peer counts as the sender's (its send buffer's use), but once the
 # sender is closed it is listed no more, and what it sent waits, in no one's figures, for the peer to read it: 600 MB
 # hidden so made the guard stop the whole sandbox instead of the sample (red team 14). Such a queue counts for its
-# receiver as much as its sender could have left there: each message costs about SKB_BYTES beside its bytes (a
-# sender of one-byte messages holds a thousand times what it queued), up to a send buffer's most (a sample's sockets
-# keep the default size, net.core.wmem_default: .seccomp; a sender may pass it by one message, so twice that); a
-# datagram socket may hold max_dgram_qlen + 1 messages, each from a sender of its own (an unconnected one counts so
-# whenever anything waits there, whether or not its senders are closed).
-SKB_BYTES = 1024
+# receiver as much as its sender could have left there, a send buffer's most (a sample's sockets keep the default
+# size, net.core.wmem_default: .seccomp; a sender may pass it by one message, so twice that): what the queue's length
+# says is no bound (a thousand one-byte messages hold a thousand times that, and a message read but for one byte
+# keeps all its memory: red team 15). Samples make stream Unix sockets only (.seccomp): a datagram socket's queue
+# may hold messages of many senders, and tells the size of its first only.
 
 
 def _sysctl(path: str, default: int) -> int:
@@ -84,7 +83,6 @@ def _sysctl(path: str, default: int) -> int:
 
 
 SEND_BUFFER_MOST = 2 * _sysctl("/proc/sys/net/core/wmem_default", 212992)
-DATAGRAM_QUEUE_MOST = _sysctl("/proc/sys/net/unix/max_dgram_qlen", 10) + 1
 
 
 def bytes_by_uid() -> Optional[dict]:
@@ -253,11 +251,11 @@ class UnixSockets:
 
 def _unix_dump(diag: socket.socket, found: dict) -> None:
     """Adds to ``found`` ({uid: bytes}) what each Unix socket holds, and what a closed sender left queued at it (see
-    SKB_BYTES), at a socket or at a connection a listener has not accepted yet."""
+    SEND_BUFFER_MOST), at a socket or at a connection a listener has not accepted yet."""
     show = _UNIX_SHOW_PEER | _UNIX_SHOW_RQLEN | _UNIX_SHOW_MEMINFO | _UNIX_SHOW_UID
     request = _UNIX_REQUEST.pack(socket.AF_UNIX, 0, 0, _ALL_STATES, 0, show, 0xFFFFFFFF, 0xFFFFFFFF)
     listed: set = set()
-    unread: list = []  # (its uid, bytes queued at it, whether it takes datagrams, its peer's inode or None)
+    unread: list = []  # (its uid, its peer's inode or None) of each stream socket with bytes waiting
     pending: dict = {}  # {uid: connections its listeners have not accepted yet}
     connecting: dict = {}  # {uid: its connected sockets whose peer is such a connection (no inode yet)}
     unpack_attribute, unpack_memory = _ATTRIBUTE.unpack_from, _MEMINFO.unpack_from
@@ -303,16 +301,15 @@ def _unix_dump(diag: socket.socket, found: dict) -> None:
         found[uid] = found.get(uid, 0) + SOCKET_OBJECT_BYTES + queued
         if state == _TCP_LISTEN:
             pending[uid] = pending.get(uid, 0) + waiting  # its queue's length: connections
+        elif kind_of != socket.SOCK_STREAM:
+            continue  # the sandbox's own: samples make stream sockets only (.seccomp)
         elif peer == 0 and shutdown != _SHUT_BOTH:  # a peer without inode: the connection, not accepted yet
             connecting[uid] = connecting.get(uid, 0) + 1
         elif waiting:
-            unread.append((uid, waiting, kind_of == socket.SOCK_DGRAM, peer))
-    for uid, waiting, datagrams, peer in unread:
-        if peer and peer in listed:
-            continue  # its sender's send buffer counts it (a closed one has no inode any more)
-        # a datagram socket tells the size of its first message only: each of the others may be a send buffer's
-        most = SEND_BUFFER_MOST * DATAGRAM_QUEUE_MOST if datagrams else min(SEND_BUFFER_MOST, waiting * (1 + SKB_BYTES))
-        found[uid] = found.get(uid, 0) + most
+            unread.append((uid, peer))
+    for uid, peer in unread:
+        if not (peer and peer in listed):  # else its sender's send buffer counts it (a closed one has no inode)
+            found[uid] = found.get(uid, 0) + SEND_BUFFER_MOST
     # A connection not accepted yet has a socket of its own that the dump does not list (no inode), with what its
     # client sent queued at it; while the client is open, the client's send buffer counts that. So each such
     # connection of a uid's listeners beyond the uid's own clients still waiting counts a send buffer's most.

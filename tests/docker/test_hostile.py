@@ -520,6 +520,10 @@ calls = {
     "semget": lambda: libc.semget(0, 1, 0o1600), "ptrace": lambda: libc.ptrace(0, 0, 0, 0),
     "mq_open": lambda: libc.mq_open(b"/rbx", 0o100 | 0o2, 0o600, None),
     "add_key": lambda: libc.syscall(248, b"user", b"rbx", b"x", 1, -3),
+    # memory a sample could hide from the guard (red team 15): a Unix datagram or seqpacket socket's queue, pages
+    # spliced into a pipe
+    "unix datagram": lambda: libc.socket(1, 2, 0), "unix seqpacket": lambda: libc.socket(1, 5, 0),
+    "vmsplice": lambda: libc.syscall(278, 1, 0, 0, 0),
 }
 refused = 0
 for name, call in calls.items():

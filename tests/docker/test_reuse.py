@@ -525,7 +525,8 @@ def test_what_a_closed_sender_left_queued_counts_for_its_receiver_and_the_guard_
     # Linux counts what a Unix socket sent and its peer has not read yet as the sender's; once the sender is
     # closed, sock_diag lists it no more. 600 MB hidden so, at the receiving ends of socket pairs or at connections
     # a listener never accepted, were memory no process held: the guard stopped the whole sandbox, and every
-    # innocent beside it ended unavailable (red team 14). They count for the receiver's uid now.
+    # innocent beside it ended unavailable (red team 14). They count for the receiver's uid now, as much as a
+    # send buffer holds (tests/sandbox/test_sockets.py: what the queue's length says is no bound).
     for hog in (CLOSED_SENDERS, NOT_ACCEPTED):
         _hog_beside_a_holder(sandboxes, hog)
 
