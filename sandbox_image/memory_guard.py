@@ -314,13 +314,15 @@ class Guard:
         try:
             found = self._held()
             exact = self.usage.exact()
+            # What sockets show, not the bounds charged for blame beyond it (sockets.SocketBytes): weighed against
+            # a bound that later goes, calm times would make every later hog look like memory no one holds.
             if self.usage.kernel_path:
                 kernel = self.usage.kernel()
                 excess = exact - kernel - found.own
-                other = kernel - found.page_tables - found.sockets
+                other = kernel - found.page_tables - (found.sockets - found.estimated)
                 self.kernel_floor = other if self.kernel_floor is None else min(self.kernel_floor, other)
             else:
-                excess = exact - found.in_flight - found.everyone
+                excess = exact - found.in_flight - (found.everyone - found.estimated)
         except (OSError, ValueError, KeyError):
             return
         self.readings = (self.readings + [excess])[-CALIBRATIONS:]

@@ -185,6 +185,7 @@ class Held(NamedTuple):
     sockets: int  # of everyone, what sockets hold
     in_flight: int = 0  # gVisor: SOCKET_BYTES for each socket no process holds (Linux: every socket has its uid's)
     server: int = 0  # of everyone, what the server process holds, and its uid's sockets (when in no slot)
+    estimated: int = 0  # of sockets, what is a bound charged beyond what they show (.sockets.SocketBytes)
 
 
 def held(groups: dict, statuses: Iterable[tuple[int, bytes]], socket_bytes: Optional[dict] = None,
@@ -252,4 +253,5 @@ def held(groups: dict, statuses: Iterable[tuple[int, bytes]], socket_bytes: Opti
         elif uid == server_uid:
             server_bytes += queued
     in_flight = SOCKET_BYTES * max(0, len(set(listed) - seen) - counted)  # without sockets_of: each listed one
-    return Held(totals, everyone, own, page_tables, socket_total, in_flight, server_bytes)
+    return Held(totals, everyone, own, page_tables, socket_total, in_flight, server_bytes,
+                getattr(socket_bytes, "estimated", 0))

@@ -13,6 +13,7 @@ import pytest
 from rewardbox.sandbox import memory_guard, memory_use
 from rewardbox.sandbox.memory_guard import Guard
 from rewardbox.sandbox.memory_use import Usage, find_usage, held
+from rewardbox.sandbox.sockets import SocketBytes
 
 MIB = 1 << 20
 SLOT, RUN, OTHER_SLOT, OTHER_RUN = 100001, 200001, 100002, 200002
@@ -650,3 +651,20 @@ def test_gvisor_what_processes_hold_of_their_own_past_the_mark_kills_before_any_
     guard, stopped, killed, clock = _guard(usage, statuses)
     guard.sockets_of = lambda pid: read.append(pid) or (set(), 0)
     assert guard.check() == SLOT and read == []
+
+
+def test_a_bound_charged_for_closed_senders_in_calm_times_moves_no_baseline():
+    # cgroup v1: 1,440 socket pairs holding a byte each behind closed senders are charged a send buffer each, 585 MiB
+    # (a bound, for blame: sockets.SocketBytes). Weighed in calm times as what sockets hold, that moved the baseline
+    # of kernel memory no figure accounts for 580 MiB down, and every later hog looked like memory no one holds: the
+    # sandbox restarted instead of killing it (red team 16).
+    statuses = [(1, status(0, rss_anon_kb=100 << 10)), (2, status(OTHER_SLOT, rss_anon_kb=300 << 10))]
+    sockets = SocketBytes({0: 1 << 20, SLOT: 585 << 20})
+    sockets.estimated = 584 << 20
+    usage, guard, stopped, killed, clock = _calm_v1(statuses, sockets)
+    sockets.clear()  # that sample is gone
+    sockets[0], sockets.estimated = 1 << 20, 0
+    statuses.append((3, status(SLOT, rss_anon_kb=560 << 10)))  # a hog
+    usage.now = 990 << 20
+    clock.t += 1.0
+    assert guard.check() == SLOT and killed == [((SLOT, RUN), True)]
