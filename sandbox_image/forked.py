@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..wire import Outcome, Status
-from . import codec, cpu_wait, processes, run_requests, sockets
+from . import codec, cpu_wait, private_tmp, processes, run_requests, sockets
 
 _LENGTH = struct.Struct("<I")
 DONE = b"D"  # the child wrote its answer
@@ -175,7 +175,7 @@ class Forker:
             try:
                 _quiet()  # SIGCHLD's default action, and no wake-up descriptor (it is this process's to close)
                 processes.set_name("rbx-sample")
-                processes.make_dumpable()  # seen by this process's looks at its tree (cpu_wait) despite hidepid
+                private_tmp.make_dumpable()  # seen by this process's looks at its tree (cpu_wait) despite hidepid
                 os.close(read_end)
                 for fd in (request_fd, *self.close, *self.wake, self.unix_sockets.fileno(),
                            *(() if runner_end is None else (runner_end.fileno(),))):

@@ -108,6 +108,14 @@ def hide_others() -> Optional[str]:
     return None
 
 
+def make_dumpable() -> None:
+    """Lets the processes of this one's uid see it in ``/proc`` (:func:`hide_others`) and trace it: a slot process's
+    child for one sample (:mod:`.forked`), so that its parent can look at it (:mod:`.cpu_wait`). The slot process
+    itself stays as its uid change left it, not dumpable: its children cannot read its memory (the request's other
+    samples are mapped there). Core dumps stay off (RLIMIT_CORE 0)."""
+    _libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
+
+
 def prewarm() -> None:
     """Looks up the C functions and builds the ctypes types a slot process calls, once in the template: done after
     the fork instead, each process would pay for it again (dlsym, type objects, and the pages they dirty)."""

@@ -101,17 +101,6 @@ def prewarm() -> None:
         getattr(_LIBC, name)
 
 
-_PR_SET_DUMPABLE = 4
-
-
-def make_dumpable() -> None:
-    """Lets the processes of this one's uid see it in ``/proc`` (:func:`.private_tmp.hide_others`) and trace it: a
-    slot process's child for one sample (:mod:`.forked`), so that its parent can look at it (:mod:`.cpu_wait`). The
-    slot process itself stays as its uid change left it, not dumpable: its children cannot read its memory (the
-    request's other samples are mapped there). Core dumps stay off (RLIMIT_CORE 0)."""
-    _LIBC.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
-
-
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
     """Asks the kernel to send ``sig`` (SIGKILL) to this process when its parent exits."""
     _LIBC.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
