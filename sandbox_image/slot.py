@@ -115,10 +115,12 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
         if not slot.known_clean:
             kill_uid(slot.uid, atomic=slot.atomic_kill)
             mark = remove_ipc(slot.uid, mark)
-        empty(slot.directory)
-        in_flight = sockets.UnixSockets(slot.uid)  # what they left in flight in a cycle: a port, held until freed
+        # What they left in flight in a cycle is freed first (as after a forked sample: forked.Forker._run): a port,
+        # or an unlinked file in the scratch directory, held until then.
+        in_flight = sockets.UnixSockets(slot.uid)
         in_flight.wait_for_in_flight()
         in_flight.close()
+        empty(slot.directory)
         os.seteuid(0)  # the capabilities return (the saved uid is 0) for the last changes
         os.setresgid(slot.uid, slot.uid, slot.uid)
         if slot.private_tmp == "chroot" and processes.unnamed_bytes(slot.directory):
