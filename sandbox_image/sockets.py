@@ -39,7 +39,6 @@ _ATTRIBUTE = struct.Struct("=HH")  # struct rtattr
 _UNIX_REQUEST = struct.Struct("=BBHIIIII")
 _UNIX_SHOW_PEER, _UNIX_SHOW_RQLEN, _UNIX_SHOW_MEMINFO, _UNIX_SHOW_UID = 0x04, 0x10, 0x20, 0x40
 _UNIX_MESSAGE = 16  # struct unix_diag_msg
-_UNIX_INODE_AT = 4  # its inode
 _UNIX_PEER, _UNIX_RQLEN, _UNIX_MEMINFO, _UNIX_SHUTDOWN, _UNIX_UID = 2, 4, 5, 6, 7
 _SHUT_BOTH = 3  # a stream socket's, once its peer closed
 # The attributes of each Unix socket in the dump _unix_dump asks for, after its peer's (8 bytes, where it has one):
@@ -124,8 +123,7 @@ class UnixSockets:
         self.passed: set = set()  # not waited for again (wait_for_in_flight)
         self._buffer = bytearray(1 << 13)  # a few messages at a time: a large buffer costs more
         request = _UNIX_REQUEST.pack(socket.AF_UNIX, 0, 0, _ALL_STATES, 0, _UNIX_SHOW_UID, 0xFFFFFFFF, 0xFFFFFFFF)
-        self._request = _HEADER.pack(_HEADER.size + len(request), _SOCK_DIAG_BY_FAMILY,
-                                     _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0) + request
+        self._request = _framed(request)
         self._diag: Optional[socket.socket] = None
         self._open()
 
@@ -191,22 +189,16 @@ class UnixSockets:
             while hit >= 0:
                 record, offset = divmod(hit, length)
                 if offset == at:
-                    inodes.add(_U32.unpack_from(data, record * length + _HEADER.size + _UNIX_INODE_AT)[0])
+                    inodes.add(_UNIX_MESSAGE_HEAD.unpack_from(data, record * length + _HEADER.size)[2])
                 hit = data.find(pattern, hit + 1, count * length)
             return rest == 0
-        at = 0
-        while at + _HEADER.size <= size:
-            length, kind, _, _, _ = _HEADER.unpack_from(data, at)
-            if kind == _NLMSG_DONE:
-                return False
-            if kind == _NLMSG_ERROR or length < _HEADER.size + _UNIX_MESSAGE or at + length > size:
-                raise OSError("sock_diag refused the dump, or cut it short")
-            body = at + _HEADER.size
-            offset = self._uid_at(data[at:at + length], length)
+        found, done = _walk(data, size, _UNIX_MESSAGE)
+        for body, end in found:
+            at = body - _HEADER.size
+            offset = self._uid_at(data[at:end], end - at)
             if offset is not None and _U32.unpack_from(data, at + offset + _ATTRIBUTE.size)[0] == self.uid:
-                inodes.add(_U32.unpack_from(data, body + _UNIX_INODE_AT)[0])
-            at += (length + 3) & ~3
-        return True
+                inodes.add(_UNIX_MESSAGE_HEAD.unpack_from(data, body)[2])
+        return not done
 
     @staticmethod
     def _uid_at(message, length: int) -> Optional[int]:
@@ -285,7 +277,7 @@ def _unix_dump(diag: socket.socket, found: SocketBytes) -> None:
                     if unpack_attribute(data, attribute) != _PEER_KIND:
                         raise OSError("sock_diag answered an attribute out of its place")
                     peer = unpack_u32(data, attribute + _ATTRIBUTE.size)[0]
-                queued = rmem + max(wmem, wqueued) + forward + options
+                queued = _queued(rmem, wmem, forward, wqueued, options)
                 attribute = end
             else:
                 waiting = shutdown = uid = 0
@@ -296,7 +288,7 @@ def _unix_dump(diag: socket.socket, found: SocketBytes) -> None:
             value = attribute + _ATTRIBUTE.size
             if what == _UNIX_MEMINFO and size >= _ATTRIBUTE.size + _MEMINFO.size:
                 rmem, _, wmem, _, forward, wqueued, options = unpack_memory(data, value)
-                queued = rmem + max(wmem, wqueued) + forward + options
+                queued = _queued(rmem, wmem, forward, wqueued, options)
             elif what == _UNIX_UID and size >= _ATTRIBUTE.size + 4:
                 uid = unpack_u32(data, value)[0]
             elif what == _UNIX_PEER and size >= _ATTRIBUTE.size + 4:
@@ -343,7 +335,7 @@ def _inet_dump(diag: socket.socket, request: bytes, found: dict) -> None:
                 break
             if what == _INET_SKMEMINFO and size >= _ATTRIBUTE.size + _MEMINFO.size:
                 rmem, _, wmem, _, forward, wqueued, options = unpack_memory(data, attribute + _ATTRIBUTE.size)
-                queued = rmem + max(wmem, wqueued) + forward + options
+                queued = _queued(rmem, wmem, forward, wqueued, options)
             attribute += (size + 3) & ~3
         found[uid] = found.get(uid, 0) + SOCKET_OBJECT_BYTES + queued
 
@@ -356,22 +348,46 @@ def _messages(diag: socket.socket, request: bytes, message: int):
     Raises:
         OSError: the kernel refused the dump, or a message is shorter than ``message`` bytes.
     """
-    diag.send(_HEADER.pack(_HEADER.size + len(request), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0)
-              + request)
-    unpack_header = _HEADER.unpack_from
+    diag.send(_framed(request))
     while True:
         data = diag.recv(1 << 17)
         if not data:
             return
-        at = 0
-        while at + _HEADER.size <= len(data):
-            length, kind, _, _, _ = unpack_header(data, at)
-            if kind == _NLMSG_DONE:
-                return
-            if kind == _NLMSG_ERROR or length < _HEADER.size + message:
-                raise OSError("sock_diag refused the dump")
-            yield data, at + _HEADER.size, at + length
-            at += (length + 3) & ~3
+        found, done = _walk(data, len(data), message)
+        for body, end in found:
+            yield data, body, end
+        if done:
+            return
+
+
+def _walk(data, size: int, message: int) -> tuple[list, bool]:
+    """The messages in one part of a dump (its first ``size`` bytes), each as (where its body starts, where it ends),
+    and whether the dump ends in this part.
+
+    Raises:
+        OSError: the kernel refused the dump, a message is shorter than ``message`` bytes, or it was cut short.
+    """
+    found: list = []
+    unpack_header, at = _HEADER.unpack_from, 0
+    while at + _HEADER.size <= size:
+        length, kind, _, _, _ = unpack_header(data, at)
+        if kind == _NLMSG_DONE:
+            return found, True
+        if kind == _NLMSG_ERROR or length < _HEADER.size + message or at + length > size:
+            raise OSError("sock_diag refused the dump, or cut it short")
+        found.append((at + _HEADER.size, at + length))
+        at += (length + 3) & ~3
+    return found, False
+
+
+def _framed(request: bytes) -> bytes:
+    """A sock_diag dump request, with its netlink header."""
+    return _HEADER.pack(_HEADER.size + len(request), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0) + request
+
+
+def _queued(rmem: int, wmem: int, forward: int, wqueued: int, options: int) -> int:
+    """What a socket holds beyond itself, from its sk_meminfo (_MEMINFO)."""
+    return rmem + max(wmem, wqueued) + forward + options
 
 
 def listed(tables: Iterable[str] = TABLES) -> set:
