@@ -132,10 +132,9 @@ def test_the_runner_checks_every_field_it_is_sent():
             run_requests.parse(dict(good, **{field: value}))
 
 
-SOCKETS_PROBE = """
-import ctypes, errno, os, platform, socket, sys
+PROBE = """
+import ctypes, errno, platform
 from rewardbox.sandbox import seccomp
-seccomp.install(network=sys.argv[1] == "network")
 libc = ctypes.CDLL(None, use_errno=True)
 numbers = seccomp._TABLES[platform.machine()][2]
 
@@ -143,25 +142,32 @@ def syscall(name, *args):
     if libc.syscall(numbers[name], *args) < 0:
         raise OSError(ctypes.get_errno(), name)
 
+def outcomes(calls):
+    \"\"\"'name: ok', or 'name: ' and the error's name, for each (name, call), in order.\"\"\"
+    said = []
+    for name, call in calls:
+        try:
+            call()
+            said.append(f"{name}: ok")
+        except OSError as e:
+            said.append(f"{name}: {errno.errorcode[e.errno]}")
+    return "; ".join(said)
+"""  # what both filter probes below share (each runs in a fresh process: the filter stays with it)
+SOCKETS_PROBE = PROBE + """
+import os, socket, sys
+seccomp.install(network=sys.argv[1] == "network")
 pipe_r, pipe_w = os.pipe()
-outcomes = []
-for name, call in [
-        ("tcp", lambda: socket.socket()),
-        ("unix stream", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)),
-        ("unix datagram", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)),
-        ("unix raw", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_RAW)),
-        ("unix seqpacket", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK)),
-        ("pair stream", lambda: socket.socketpair()),
-        ("pair datagram", lambda: socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)),
-        ("pair seqpacket", lambda: socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)),
-        ("vmsplice", lambda: syscall("vmsplice", pipe_w, 0, 0, 0)),
-        ("io_uring_setup", lambda: syscall("io_uring_setup", 8, bytes(120)))]:
-    try:
-        call()
-        outcomes.append(f"{name}: ok")
-    except OSError as e:
-        outcomes.append(f"{name}: {errno.errorcode[e.errno]}")
-print("; ".join(outcomes))
+print(outcomes([
+    ("tcp", lambda: socket.socket()),
+    ("unix stream", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)),
+    ("unix datagram", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)),
+    ("unix raw", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_RAW)),
+    ("unix seqpacket", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK)),
+    ("pair stream", lambda: socket.socketpair()),
+    ("pair datagram", lambda: socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)),
+    ("pair seqpacket", lambda: socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)),
+    ("vmsplice", lambda: syscall("vmsplice", pipe_w, 0, 0, 0)),
+    ("io_uring_setup", lambda: syscall("io_uring_setup", 8, bytes(120)))]))
 """
 
 
@@ -181,28 +187,20 @@ def test_the_samples_filter_lets_no_descriptor_signal_another_process_nor_memory
     # In a fresh process (the filter stays with it): what a descriptor that outlives its sample could do to the
     # slot process that forked it, and memory that no process holds (memory files, socket and pipe buffers grown),
     # refused; the same calls' everyday uses kept.
-    code = textwrap.dedent("""
-        import ctypes, errno, fcntl, os, platform, socket, struct, termios
-        from rewardbox.sandbox import seccomp
+    code = PROBE + textwrap.dedent("""
+        import fcntl, os, socket, struct, termios
         seccomp.install()
-        libc = ctypes.CDLL(None, use_errno=True)
-        IO_URING_SETUP = seccomp._TABLES[platform.machine()][2]["io_uring_setup"]
-
-        def _syscall(number, *args):
-            if libc.syscall(number, *args) < 0:
-                raise OSError(ctypes.get_errno(), "syscall")
 
         a, b = socket.socketpair()
         tcp = socket.socket()
         pipe_r, pipe_w = os.pipe()
-        outcomes = []
-        for name, call in [
+        print(outcomes([
                 ("F_SETOWN", lambda: fcntl.fcntl(a, fcntl.F_SETOWN, os.getppid())),
                 ("F_SETOWN_EX", lambda: fcntl.fcntl(a, 15, struct.pack("ii", 1, os.getppid()))),
                 ("FIOSETOWN", lambda: fcntl.ioctl(a, 0x8901, struct.pack("i", os.getppid()))),
                 ("SIOCSPGRP", lambda: fcntl.ioctl(a, 0x8902, struct.pack("i", os.getppid()))),
                 ("memfd_create", lambda: os.memfd_create("x")),
-                ("io_uring_setup", lambda: _syscall(IO_URING_SETUP, 8, bytes(120))),
+                ("io_uring_setup", lambda: syscall("io_uring_setup", 8, bytes(120))),
                 ("F_SETPIPE_SZ", lambda: fcntl.fcntl(pipe_w, 1031, 1 << 20)),
                 ("F_GETPIPE_SZ", lambda: fcntl.fcntl(pipe_w, 1032)),
                 ("F_SETFL O_ASYNC", lambda: fcntl.fcntl(a, fcntl.F_SETFL, fcntl.fcntl(a, fcntl.F_GETFL) | os.O_ASYNC)),
@@ -212,13 +210,7 @@ def test_the_samples_filter_lets_no_descriptor_signal_another_process_nor_memory
                 ("SO_SNDBUF", lambda: a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)),
                 ("SO_RCVBUF", lambda: a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)),
                 ("SO_LINGER", lambda: tcp.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 3600))),
-                ("SO_PASSCRED", lambda: a.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1))]:
-            try:
-                call()
-                outcomes.append(f"{name}: ok")
-            except OSError as e:
-                outcomes.append(f"{name}: {errno.errorcode[e.errno]}")
-        print("; ".join(outcomes))
+                ("SO_PASSCRED", lambda: a.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1))]))
         print(a.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == b.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF),
               a.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == b.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
               a.getsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED),
