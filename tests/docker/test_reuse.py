@@ -397,6 +397,33 @@ def test_an_innocent_the_kernels_oom_killer_took_for_a_sample_that_spread_its_me
 
 
 @pytest.mark.parametrize("sandboxes", ["runc"], indirect=True)  # the kernel's OOM killer acts inside runc only
+def test_samples_the_kernels_oom_killer_took_are_scored_again_one_at_a_time(sandboxes):
+    # The hog's own process died too (here it kills itself; in CI the guard killed it, late): both had died while
+    # the kernel's OOM killer acted, and both were scored again at once. The hog filled the sandbox again beside
+    # the innocent, and the kernel took the innocent in both attempts (CI, runc: 15 forks filling socket buffers).
+    # Scored again one at a time, the innocent runs alone. Without that, it ends `crash`, killed twice.
+    innocent = "import time\ntime.sleep(1.5)\nx = b'\\x01' * (350 << 20)\nscore = 1.0"
+    hog = textwrap.dedent("""
+        import os, time
+        for _ in range(30):
+            if os.fork() == 0:
+                y = [bytearray(1 << 20) for _ in range(20) if not time.sleep(0.02)]
+                for b in y:
+                    for i in range(0, len(b), 4096):
+                        b[i] = 1
+                time.sleep(30)
+                os._exit(0)
+        time.sleep(2.5)
+        os.kill(-1, 9)  # every process of its uid, as the guard kills a slot (its forks hold its answer's socket)
+    """)
+    with _guard_stopped(sandboxes):
+        report = score(sandboxes, "run", [hog, innocent])
+    assert (report.values[1], report.statuses[1], report.errors[1]) == (1.0, Status.OK, None), \
+        (report.values, report.statuses, report.errors)
+    assert report.statuses[0] is Status.CRASH and "killed by SIGKILL" in report.errors[0], report.errors
+
+
+@pytest.mark.parametrize("sandboxes", ["runc"], indirect=True)  # the kernel's OOM killer acts inside runc only
 def test_under_worker_isolation_too_an_innocent_the_kernels_oom_killer_took_is_scored_again(sandboxes):
     # isolation: worker, each sample in a worker of its own (workers: 2): the innocent's worker was the largest
     # process when a burst of small forks filled the sandbox. It is scored again once the call's other samples are
