@@ -160,6 +160,7 @@ class Forker:
         # All that the wait needs is made before the fork: a page this process writes while the child lives is
         # copied (the child holds the original), several times the cost of the same write once the child is gone.
         poller = _poller(read_end, self.wake[0], runner_end)
+        os.set_blocking(read_end, False)  # what the child forked may hold the write end after it ended: see _wait
         try:
             pid = os.fork()
         except OSError as e:
@@ -196,7 +197,8 @@ class Forker:
         try:
             started = time.monotonic()
             failed, why = _wait(poller, read_end, started + timeout_s + START_ALLOWANCE_S, runner_end,
-                                hand_over_runner, reap, self.wake[0], watch.look, extend, started + first_look)
+                                hand_over_runner, reap, self.wake[0], watch.look, extend, started + first_look,
+                                lambda: pid in reaped)
         finally:
             # First: nothing of the unit is left (its memory gone with it: what this process writes from here on
             # is no longer copied).
@@ -324,9 +326,11 @@ def _poller(done: int, woken: int, runner_end: Optional[socket.socket]) -> selec
 
 def _wait(poller: select.poll, done: int, deadline: float, runner_end: Optional[socket.socket],
           hand_over_runner: Callable[[], None], reap: Callable[[], None], woken: int,
-          look: Callable[[], None], extend: Callable[[], float], first_look: float) -> tuple[Status, str]:
-    """Waits for the child's DONE byte on ``done``: (ok when it came, timeout when the deadline passed first, crash
-    when the pipe closed without it, invalid when something else came; and what to add). Meanwhile, the first time
+          look: Callable[[], None], extend: Callable[[], float], first_look: float,
+          ended: Callable[[], bool]) -> tuple[Status, str]:
+    """Waits for the child's DONE byte on ``done`` (non-blocking): (ok when it came, timeout when the deadline passed
+    first, crash when the pipe closed without it or ``ended()`` says the child was reaped without it, invalid when
+    something else came; and what to add). Meanwhile, the first time
     the child writes to (or closes) its runner socket, ``hand_over_runner()`` passes the other end, ``runner_end``,
     to the runner, and ``reap()`` runs whenever ``woken`` (a SIGCHLD wake-up pipe) is readable (``poller`` watches
     all three: :func:`_poller`). From ``first_look`` on, at random moments about REAP_EVERY_S apart by the clock,
@@ -340,6 +344,8 @@ def _wait(poller: select.poll, done: int, deadline: float, runner_end: Optional[
             reap()
             look()
             next_look = now + look_interval()
+            if ended():
+                break
         left = deadline - now
         events = poller.poll(min(left, next_look - now) * 1000) if left > 0 else []
         if any(fd == done for fd, _ in events):
@@ -347,6 +353,10 @@ def _wait(poller: select.poll, done: int, deadline: float, runner_end: Optional[
         if any(fd == woken for fd, _ in events):
             _drain(woken)
             reap()
+            if ended():
+                # The child wrote its byte before it exited, or never will: the processes it forked may hold the
+                # pipe open until the deadline (a sample that died beside its forks was a ``timeout`` there).
+                break
             continue
         if not events:
             if time.monotonic() < deadline:  # a look's moment came
@@ -358,7 +368,10 @@ def _wait(poller: select.poll, done: int, deadline: float, runner_end: Optional[
             return Status.TIMEOUT, ""
         poller.unregister(runner_end)  # the child wants the runner (or will never call it): it is the runner's now
         hand_over_runner()
-    byte = os.read(done, 1)
+    try:
+        byte = os.read(done, 1)
+    except BlockingIOError:  # the child ended without it
+        byte = b""
     if not byte:
         return Status.CRASH, ""
     return (Status.OK, "") if byte == DONE else (Status.INVALID, f"{byte!r} came where the done byte belongs")

@@ -224,6 +224,18 @@ def test_a_setsid_daemon_burning_cpu_dies_with_its_sample(hostile_sandboxes):
     """, {Status.OK})
 
 
+def test_a_sample_that_dies_beside_its_forks_is_a_crash_not_a_timeout(hostile_sandboxes):
+    # Run forked, the sample's process writes a byte into a pipe when it answered; its forks hold that pipe open too.
+    # Its death without the byte was seen only once every write end had closed: at the deadline, a `timeout`.
+    attack(hostile_sandboxes, """
+        import os, signal, time
+        if os.fork() == 0:
+            time.sleep(60)
+            os._exit(0)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """, {Status.CRASH})
+
+
 def test_a_fork_bomb_stops_at_its_own_limit(hostile_sandboxes):
     attack(hostile_sandboxes, """
         import os, time
