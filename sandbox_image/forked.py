@@ -28,10 +28,11 @@ Before the next child starts, everything a unit left is gone:
 
 The child writes its answer (a length, then one answer in the format the server reads: :mod:`.codec`) into a memory
 mapping it shares with the slot process, then one byte into a pipe. The slot process waits for that byte by the
-unit's deadline, cleans up (so nothing can change the answer any more), checks the answer in place as the server
-would, and sends it from the mapping, which it then unmaps: no child's answer (its output, its error text) ever
-passes through the slot process's heap, where the next child, a copy of it, could find it. An answer that breaks
-the format, or none, becomes the unit's failure, written by this trusted code.
+unit's deadline (or until it reaps the child without it: the child's own forks may hold the pipe open), cleans up
+(so nothing can change the answer any more), checks the answer in place as the server would, and sends it from the
+mapping, which it then unmaps: no child's answer (its output, its error text) ever passes through the slot
+process's heap, where the next child, a copy of it, could find it. An answer that breaks the format, or none,
+becomes the unit's failure, written by this trusted code.
 
 What a child can still do to the slot process: signal it (they share a uid), and only while its own unit runs (its
 descendants are gone before the next one starts). Each answer leaves the slot process before the next child starts

@@ -404,7 +404,7 @@ class FunctionPool:
         async def run_requests() -> None:
             nonlocal replaced, idle
             while pending:
-                size = self._chunk_size(len(pending), idle)
+                size = 1 if alone else self._chunk_size(len(pending), idle)
                 taken = [pending.popleft() for _ in range(min(size, len(pending)))]
                 idle -= 1
                 kills = oom_kills()
@@ -427,11 +427,12 @@ class FunctionPool:
                 self._chunk_cap = 1 if (streamed.retired and not self._forking()) or streamed.unattributed or \
                     self.config.isolation == "process" else min(MAX_CHUNK, self._chunk_cap * 2)
 
+        alone = False  # scoring victims again: one request of one sample at a time
         while pending or victims:
             alone = not pending
             if alone:
                 log.info("reward %s: %d sample(s) whose process died while the kernel's OOM killer acted in this "
-                         "sandbox are scored again, one at a time, in fresh processes", self.name, len(victims))
+                         "sandbox are scored again, one at a time", self.name, len(victims))
                 pending.extend(victims)
                 victims.clear()
             # Victims one at a time: scored again together, the sample that filled the sandbox fills it again beside

@@ -108,10 +108,14 @@ def hostile_sandboxes(request, tmp_path_factory, docker_client, base_image):
                      "timeout_s": TIMEOUT_S, "workers": 2, "default_score": -5.0},
                     # the same, for a test that needs a reward whose samples have not run yet
                     {"name": "contended", "source": "exec_reward.py", "function": "run", "timeout_s": TIMEOUT_S,
+                     "workers": 2, "retries": 0, "default_score": -5.0, "memory": "1g", "pids": 256},
+                    # the same again, for a test whose sample must run forked (under runc a pool's first ones do)
+                    {"name": "fresh", "source": "exec_reward.py", "function": "run", "timeout_s": TIMEOUT_S,
                      "workers": 2, "retries": 0, "default_score": -5.0, "memory": "1g", "pids": 256}],
     }))
     config = load_config(root / "config.yaml")
     sandboxes = RewardSandboxes(config, backend=docker_backend(config, docker_client))
+    sandboxes.runtime = request.param
     sandboxes.start()
     yield sandboxes
     sandboxes.stop()
@@ -227,13 +231,19 @@ def test_a_setsid_daemon_burning_cpu_dies_with_its_sample(hostile_sandboxes):
 def test_a_sample_that_dies_beside_its_forks_is_a_crash_not_a_timeout(hostile_sandboxes):
     # Run forked, the sample's process writes a byte into a pipe when it answered; its forks hold that pipe open too.
     # Its death without the byte was seen only once every write end had closed: at the deadline, a `timeout`.
-    attack(hostile_sandboxes, """
+    # Under runc it must run forked (an `error` otherwise: the test would prove nothing), as a pool's first samples do.
+    forked = hostile_sandboxes.runtime == "runc"
+    report = _score(hostile_sandboxes, [textwrap.dedent(f"""
         import os, signal, time
+        if {forked} and open("/proc/self/comm").read().strip() != "rbx-sample":
+            raise RuntimeError("not run forked")
         if os.fork() == 0:
             time.sleep(60)
             os._exit(0)
         os.kill(os.getpid(), signal.SIGKILL)
-    """, {Status.CRASH})
+    """), "score = 0.5"], reward="fresh")
+    assert report.statuses == [Status.CRASH, Status.OK] and report.values == [-5.0, 0.5], report.errors
+    assert "killed by SIGKILL" in report.errors[0], report.errors
 
 
 def test_a_fork_bomb_stops_at_its_own_limit(hostile_sandboxes):
