@@ -437,7 +437,7 @@ class FunctionPool:
                 victims.clear()
             # Victims one at a time: scored again together, the sample that filled the sandbox fills it again beside
             # the innocent, and the kernel took the innocent in both attempts (CI, runc: 15 forks filling socket
-            # buffers at 5 GB/s while the guard woke 11 to 17 ms late under them and read 7,500 sockets in 12 ms).
+            # buffers at 5 GB/s, which the guard's two reads of their 7,500 sockets, 12 ms each, could not outrun).
             idle = 1 if alone else min(self._runners, len(pending))
             await asyncio.gather(*(run_requests() for _ in range(idle)))
         result = BatchResult(workers_replaced=replaced)
