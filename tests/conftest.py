@@ -13,6 +13,25 @@ from rewardbox import BackendError, RewardSandboxes, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# A sample that leaves a listening socket in flight in a cycle of Unix sockets: it keeps its port until the kernel's
+# collector frees the cycle (red team 13). Run as a sample (tests/docker) and in a child of a uid (tests/sandbox).
+LISTENER_IN_FLIGHT = """
+import socket
+server = socket.socket()
+server.bind(("127.0.0.1", {port}))
+server.listen()
+a, b = socket.socketpair()
+c, d = socket.socketpair()
+# a cycle: a, b and the listener ride in c and d, which ride in a and b; nothing holds any of them once this ends
+socket.send_fds(a, [b"x"], [a.fileno(), b.fileno(), server.fileno()])
+socket.send_fds(c, [b"x"], [c.fileno(), d.fileno(), server.fileno()])
+socket.send_fds(b, [b"y"], [c.fileno(), d.fileno()])
+socket.send_fds(d, [b"y"], [a.fileno(), b.fileno()])
+for s in (a, b, c, d, server):
+    s.close()
+score = 0.0
+"""
+
 
 # Docker tests run against a real engine. A missing engine FAILS them (never skips): the README's test command
 # (scripts/test.sh) installs and starts one, and CI must prove the Docker backend works.

@@ -19,6 +19,7 @@ import yaml
 
 from rewardbox import RewardSandboxes, build_samples, load_config
 from rewardbox.wire import Status
+from tests.conftest import LISTENER_IN_FLIGHT
 from tests.docker.conftest import docker_backend
 
 REWARD = '''
@@ -666,24 +667,6 @@ def test_connections_a_finished_sample_closed_keep_no_port_from_later_samples(ho
     later = _score(hostile_sandboxes, [PLAIN_SERVER.format(port=18760 + i, i=i + 1) for i in range(6)])
     assert later.statuses == [Status.OK] * 6, later.errors
     assert later.values == [i / 8 for i in range(1, 7)]
-
-
-LISTENER_IN_FLIGHT = """
-import socket
-server = socket.socket()
-server.bind(("127.0.0.1", {port}))
-server.listen()
-a, b = socket.socketpair()
-c, d = socket.socketpair()
-# a cycle: a, b and the listener ride in c and d, which ride in a and b; nothing holds any of them once this ends
-socket.send_fds(a, [b"x"], [a.fileno(), b.fileno(), server.fileno()])
-socket.send_fds(c, [b"x"], [c.fileno(), d.fileno(), server.fileno()])
-socket.send_fds(b, [b"y"], [c.fileno(), d.fileno()])
-socket.send_fds(d, [b"y"], [a.fileno(), b.fileno()])
-for s in (a, b, c, d, server):
-    s.close()
-score = 0.0
-"""
 
 
 def test_a_listener_left_in_flight_in_a_unix_socket_cycle_keeps_its_port_from_no_later_sample(docker_sandboxes):
