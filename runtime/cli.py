@@ -241,6 +241,29 @@ def base_image(
         raise fail(str(e)) from None
 
 
+@app.command()
+def apparmor(
+    install: bool = typer.Option(False, "--install", help="write it to /etc/apparmor.d and load it (root)"),
+    name: str = typer.Option("rewardbox-sandbox", help="the profile's name"),
+    userns: Optional[bool] = typer.Option(None, "--userns/--no-userns", help="allow user namespaces (AppArmor "
+                                          "4, e.g. Ubuntu 24.04); default: where this host's parser is AppArmor 4"),
+) -> None:
+    """Print (or --install) an AppArmor profile for sandbox containers: Docker's default one with the mounts of the
+    private /tmp allowed. On hosts that confine containers with AppArmor, Docker's default profile refuses them and
+    /tmp stays read-only; after --install, set sandbox.docker.apparmor_profile to NAME."""
+    from . import apparmor as profiles
+
+    try:
+        text = profiles.profile(name, userns=(profiles.parser_major() or 0) >= 4 if userns is None else userns)
+        if not install:
+            typer.echo(text, nl=False)
+            return
+        path = profiles.install(text, name)
+    except RewardboxError as e:
+        raise fail(str(e)) from None
+    out_console.print(f"loaded {path}; set `sandbox.docker.apparmor_profile: {name}` in the config")
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def train(
     ctx: typer.Context,

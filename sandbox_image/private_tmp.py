@@ -40,10 +40,11 @@ MODES = ("userns", "chroot")
 PATH = "/tmp"
 ROOTS = "/tmp/rewardbox-roots"  # chroot: a tmpfs the docker backend mounts, root's (mode 0711)
 LEAKS = ROOTS + "/leaked"  # see renew: root's, mode 0700
-FIX = ("Under runc, an AppArmor profile that forbids mounts (Docker's default one) or a kernel without "
-       "unprivileged user namespaces stops it: run sandboxes under gVisor (sandbox.docker.runtime: runsc), or "
-       "give the containers an AppArmor profile that allows mounts. sandbox.docker.private_tmp: off silences "
-       "this (and leaves /tmp read-only).")
+FIX = ("Under runc, an AppArmor profile that forbids mounts (Docker's default one, on hosts that confine containers "
+       "with AppArmor) or a kernel without unprivileged user namespaces stops it: load rewardbox's profile "
+       "(`sudo rewardbox apparmor --install`) and set sandbox.docker.apparmor_profile: rewardbox-sandbox, or run "
+       "sandboxes under gVisor (sandbox.docker.runtime: runsc). sandbox.docker.private_tmp: off silences this (and "
+       "leaves /tmp read-only).")
 
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWUSER = 0x10000000

@@ -15,6 +15,8 @@ command -v debootstrap >/dev/null 2>&1 || need_apt+=(debootstrap)
 command -v runsc >/dev/null 2>&1 || need_apt+=(runsc)  # gVisor, for `sandbox.runtime: runsc`
 # The browser the report's tests drive (playwright with executable_path: its own download cannot work offline)
 command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
+# apparmor_parser compiles `rewardbox apparmor`'s profile in the tests (it is in /sbin, outside a user's PATH)
+[ -x /sbin/apparmor_parser ] || [ -x /usr/sbin/apparmor_parser ] || need_apt+=(apparmor)
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "installing ${need_apt[*]} from Debian packages"
   as_root apt-get update -qq

@@ -13,7 +13,9 @@ What a container gets (the docker backend's hardening):
   namespace of its own (``sandbox/private_tmp.py``). For that the container also gets ``SYS_ADMIN``, which only
   opens Docker's seccomp profile to ``unshare``/``mount``: under runc the sandbox drops it in its first process
   (docker-init, PID 1, keeps it: it only reaps and forwards signals, and no sandbox uid can signal it), and
-  reward code is refused namespaces and mounts by the sandbox's own seccomp filter;
+  reward code is refused namespaces and mounts by the sandbox's own seccomp filter. Where the host confines
+  containers with AppArmor, Docker's default profile refuses those mounts: ``apparmor_profile`` names one that
+  allows them (``rewardbox.apparmor``);
 - the gRPC socket's directory is a 1 MiB ``nosuid,nodev,noexec`` tmpfs volume owned by the server uid (mode 0700):
   nothing a container writes lands on host disk, and no sample can reach the socket;
 - memory (no swap), CPU and pids limits; no network unless the reward asks; no ``/dev/shm`` under
@@ -91,6 +93,9 @@ class ContainerSpec:
     # A private /tmp for every sample and program (sandbox/private_tmp.py): "auto" (where the host allows it),
     # "on" (a sandbox that cannot make it stops at start) or "off" (/tmp is read-only, no SYS_ADMIN at all).
     private_tmp: str = "off"
+    # The containers' AppArmor profile (None: the engine's, docker-default, which refuses the private /tmp's mounts
+    # on hosts that enforce AppArmor: rewardbox.apparmor).
+    apparmor_profile: Optional[str] = None
 
     def capabilities(self) -> list:
         """What the container starts with. The private /tmp needs SYS_ADMIN in the container's set only so that
@@ -155,7 +160,8 @@ class ContainerSpec:
             user="0:0",
             cap_drop=["ALL"],
             cap_add=self.capabilities(),
-            security_opt=["no-new-privileges"],
+            security_opt=["no-new-privileges"] + ([f"apparmor={self.apparmor_profile}"] if self.apparmor_profile
+                                                  else []),
             read_only=True,
             # /tmp stays the image's directory on the read-only root: nobody can write there (a tmpfs mounted on
             # it, typed or not, gets the image directory's 1777 copied over its mode). Slots write their own.

@@ -21,6 +21,7 @@ import docker
 import docker.errors
 from pydantic import Field
 
+from .. import apparmor
 from ..errors import BackendError, ConfigError
 from ..image import IMAGE_REPO, ImageBuilder, image_key
 from ..spec import RewardSpec
@@ -102,9 +103,27 @@ class DockerSettings(BackendSettings):
         default="auto", description="a private, writable /tmp for every sample and every program it runs: auto "
         "(where the host allows it; else /tmp stays read-only, with a warning in the sandbox's log), on (a sandbox "
         "that cannot make it stops at start, saying why), off (read-only /tmp; the container gets no SYS_ADMIN)")
+    apparmor_profile: Optional[str] = Field(
+        default=None, pattern=f"^{apparmor.NAME_PATTERN}$",
+        description="the AppArmor profile of the containers, on hosts that confine containers with "
+        "AppArmor (Ubuntu, Debian): Docker's default one refuses the mounts of the private /tmp; `sudo rewardbox "
+        "apparmor --install` loads rewardbox-sandbox, which allows them. Default: the engine's")
     system_packages_from: Literal["host", "build"] = Field(
         default="host", description="host: the host's apt-get downloads rewards' system_packages for the base image "
         "(the image build needs no network); build: the image build runs apt-get with the engine's default network")
+
+
+def apparmor_warning(engine_info: dict, settings: DockerSettings) -> Optional[str]:
+    """What to tell a user whose engine confines containers with AppArmor under Docker's default profile, which
+    refuses the mounts of the private /tmp (each sandbox then leaves /tmp read-only, or stops with private_tmp:
+    on); None where that does not apply. ``engine_info``: the engine's ``docker info``."""
+    confined = any("name=apparmor" in option for option in engine_info.get("SecurityOptions") or ())
+    if not confined or settings.private_tmp == "off" or settings.apparmor_profile or is_gvisor(settings.runtime):
+        return None
+    return ("this Docker engine confines containers with AppArmor, and its default profile refuses the mounts of "
+            "each sample's private /tmp (sandbox.docker.private_tmp): samples would find /tmp read-only. Load "
+            "rewardbox's profile (`sudo rewardbox apparmor --install`) and set sandbox.docker.apparmor_profile: "
+            "rewardbox-sandbox, or run sandboxes under gVisor (sandbox.docker.runtime: runsc)")
 
 
 def engine_client(timeout: int = 120) -> docker.DockerClient:
@@ -168,6 +187,9 @@ class DockerBackend:
 
     def prepare(self, rewards: Sequence[RewardSpec]) -> None:
         remove_leftovers(self.client, keep_run=self.run_id)
+        warning = apparmor_warning(self.client.info(), self.settings)
+        if warning:
+            log.warning(warning)
         built = self.builder.ensure_images(rewards, self.settings)
         self.images = {packages: tag for packages, (tag, _) in built.items()}
 
@@ -206,6 +228,7 @@ class DockerBackend:
             sample_nproc=plan.sample_nproc,
             sample_memory=plan.sample_memory,
             private_tmp=self.settings.private_tmp,
+            apparmor_profile=self.settings.apparmor_profile,
         )
         return DockerSandbox(self.client, spec, name=f"{reward.name}-{replica}")
 

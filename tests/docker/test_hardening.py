@@ -182,6 +182,19 @@ def test_container_settings_are_hardened(docker_sandboxes):
     reward_uid = int(score(s, "uid", ["x"]).values[0])
     assert reward_uid >= 100000 and f"/tmp/slot-{reward_uid}" in slot_mounts
     assert container.labels["rewardbox.reward"] == "uid"
+    assert not any(option.startswith("apparmor=") for option in host["SecurityOpt"])  # the engine's own profile
+
+
+def test_the_apparmor_profile_setting_reaches_the_engine_beside_no_new_privileges(docker_sandboxes):
+    # This engine's kernel has no AppArmor, so the engine ignores the profile: this checks what the engine is
+    # asked, and that the sandbox still serves; that the profile lets the private /tmp's mounts through where
+    # AppArmor is enforced is not tested here (tests/host/test_apparmor compiles it with the real parser).
+    s = docker_sandboxes([{"name": "uid", "code": PROBES, "warm": 2, "workers": 1}],
+                         sandbox={"docker": {"apparmor_profile": "rewardbox-sandbox"}})
+    container = s.replicas["uid"][0].sandbox.container
+    container.reload()
+    assert container.attrs["HostConfig"]["SecurityOpt"] == ["no-new-privileges", "apparmor=rewardbox-sandbox"]
+    assert int(score(s, "uid", ["x"]).values[0]) >= 100000
 
 
 def test_the_socket_lives_on_a_small_nosuid_tmpfs_that_only_the_server_uid_may_enter(docker_sandboxes):
