@@ -268,8 +268,12 @@ class DockerSandbox:
             self._container = self._client.containers.run(detach=True,
                                                           **self.spec.run_kwargs(self.socket_volume.mount()))
         except docker.errors.APIError as e:
-            raise BackendError(f"sandbox {self.name}: the engine refused to start the container: "
-                               f"{e.explanation or e}") from e
+            said = str(e.explanation or e)
+            hint = ""
+            if self.spec.apparmor_profile and "apparmor" in said.lower():
+                hint = (f" (sandbox.docker.apparmor_profile names {self.spec.apparmor_profile!r}: is it loaded on the "
+                        "engine's host? `sudo rewardbox apparmor --install` loads rewardbox-sandbox there)")
+            raise BackendError(f"sandbox {self.name}: the engine refused to start the container: {said}{hint}") from e
 
     def alive(self) -> bool:
         if self._container is None:

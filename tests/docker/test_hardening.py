@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
+
+import pytest
 
 from rewardbox import build_samples
 from tests.conftest import run
@@ -195,6 +198,35 @@ def test_the_apparmor_profile_setting_reaches_the_engine_beside_no_new_privilege
     container.reload()
     assert container.attrs["HostConfig"]["SecurityOpt"] == ["no-new-privileges", "apparmor=rewardbox-sandbox"]
     assert int(score(s, "uid", ["x"]).values[0]) >= 100000
+
+
+def test_a_profile_the_engines_host_has_not_loaded_is_an_error_saying_how_to_load_it(docker_client, base_image,
+                                                                                     monkeypatch):
+    # An engine on an AppArmor host refuses a container whose profile is not loaded; this engine's kernel has no
+    # AppArmor, so its refusal is the one such engines give (moby/moby#25488, NixOS/nixpkgs#22953), raised where
+    # the engine's would be.
+    import docker
+    import docker.models.containers
+
+    from rewardbox.backends.containers import ContainerSpec, DockerSandbox
+    from rewardbox.errors import BackendError
+
+    said = ('OCI runtime create failed: container_linux.go:247: starting container process caused "process_linux.go:'
+            '359: container init caused \\"apparmor failed to apply profile: no such file or directory\\""')
+
+    def refuse(containers, **kwargs):
+        assert "apparmor=rbx-not-loaded" in kwargs["security_opt"]
+        raise docker.errors.APIError("500 Server Error", explanation=said)
+
+    monkeypatch.setattr(docker.models.containers.ContainerCollection, "run", refuse)
+    sandbox = DockerSandbox(docker_client, ContainerSpec(image=base_image, name=f"rbx-aa-{os.getpid()}",
+                                                         apparmor_profile="rbx-not-loaded"))
+    try:
+        with pytest.raises(BackendError, match=r"apparmor failed to apply profile.*'rbx-not-loaded': is it loaded "
+                                               r"on the engine's host\? `sudo rewardbox apparmor --install`"):
+            sandbox.start()
+    finally:
+        sandbox.socket_volume.remove()
 
 
 def test_the_socket_lives_on_a_small_nosuid_tmpfs_that_only_the_server_uid_may_enter(docker_sandboxes):
