@@ -245,16 +245,17 @@ def base_image(
 def apparmor(
     install: bool = typer.Option(False, "--install", help="write it to /etc/apparmor.d and load it (root)"),
     name: str = typer.Option("rewardbox-sandbox", help="the profile's name"),
-    userns: Optional[bool] = typer.Option(None, "--userns/--no-userns", help="allow user namespaces (AppArmor "
-                                          "4, e.g. Ubuntu 24.04); default: where this host's parser is AppArmor 4"),
+    userns: bool = typer.Option(False, "--userns", help="AppArmor 4.0's ABI and user namespaces allowed, for hosts "
+                                "that force user-namespace mediation on every profile "
+                                "(kernel.apparmor_restrict_unprivileged_userns_force=1)"),
 ) -> None:
-    """Print (or --install) an AppArmor profile for sandbox containers: Docker's default one with the mounts of the
-    private /tmp allowed. On hosts that confine containers with AppArmor, Docker's default profile refuses them and
+    """Print (or --install) an AppArmor profile for sandbox containers: Docker's default one with the three mounts of
+    the private /tmp allowed. On hosts that confine containers with AppArmor, Docker's default profile refuses them and
     /tmp stays read-only; after --install, set sandbox.docker.apparmor_profile to NAME."""
     from . import apparmor as profiles
 
     try:
-        text = profiles.profile(name, userns=(profiles.parser_major() or 0) >= 4 if userns is None else userns)
+        text = profiles.profile(name, userns=userns)
         if not install:
             typer.echo(text, nl=False)
             return

@@ -118,7 +118,8 @@ def apparmor_warning(engine_info: dict, settings: DockerSettings) -> Optional[st
     refuses the mounts of the private /tmp (each sandbox then leaves /tmp read-only, or stops with private_tmp:
     on); None where that does not apply. ``engine_info``: the engine's ``docker info``."""
     confined = any("name=apparmor" in option for option in engine_info.get("SecurityOptions") or ())
-    if not confined or settings.private_tmp == "off" or settings.apparmor_profile or is_gvisor(settings.runtime):
+    named = settings.apparmor_profile not in (None, "docker-default")  # the engine's default, named
+    if not confined or settings.private_tmp == "off" or named or is_gvisor(settings.runtime):
         return None
     return ("this Docker engine confines containers with AppArmor, and its default profile refuses the mounts of "
             "each sample's private /tmp (sandbox.docker.private_tmp): samples would find /tmp read-only. Load "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import threading
 import time
 
@@ -188,16 +189,33 @@ def test_container_settings_are_hardened(docker_sandboxes):
     assert not any(option.startswith("apparmor=") for option in host["SecurityOpt"])  # the engine's own profile
 
 
-def test_the_apparmor_profile_setting_reaches_the_engine_beside_no_new_privileges(docker_sandboxes):
-    # This engine's kernel has no AppArmor, so the engine ignores the profile: this checks what the engine is
-    # asked, and that the sandbox still serves; that the profile lets the private /tmp's mounts through where
-    # AppArmor is enforced is not tested here (tests/host/test_apparmor compiles it with the real parser).
-    s = docker_sandboxes([{"name": "uid", "code": PROBES, "warm": 2, "workers": 1}],
-                         sandbox={"docker": {"apparmor_profile": "rewardbox-sandbox"}})
-    container = s.replicas["uid"][0].sandbox.container
-    container.reload()
-    assert container.attrs["HostConfig"]["SecurityOpt"] == ["no-new-privileges", "apparmor=rewardbox-sandbox"]
-    assert int(score(s, "uid", ["x"]).values[0]) >= 100000
+def test_the_apparmor_profile_setting_reaches_the_engine_and_samples_keep_a_private_writable_tmp(
+        docker_sandboxes, docker_client, tmp_path):
+    # Where the engine enforces AppArmor, the profile is loaded first (and removed after), and the samples' writes
+    # to /tmp test it. This machine's kernel has no AppArmor and its engine ignores the profile: here this checks
+    # what the engine is asked and that the sandbox serves (tests/host/test_apparmor compiles the profile).
+    from rewardbox import apparmor
+
+    enforced = any("name=apparmor" in o for o in docker_client.info().get("SecurityOptions") or ())
+    if enforced:
+        apparmor.install(apparmor.profile(), apparmor.NAME, tmp_path)
+    try:
+        code = ("import os\n"
+                "def tmp(prompt, completion, example):\n"
+                "    left = os.listdir('/tmp')\n"
+                "    with open('/tmp/' + completion, 'w') as f:\n"
+                "        f.write(completion)\n"
+                "    return float(len(left))\n")
+        s = docker_sandboxes([{"name": "tmp", "code": code, "warm": 2, "workers": 1}],
+                             sandbox={"docker": {"apparmor_profile": "rewardbox-sandbox", "private_tmp": "on"}})
+        container = s.replicas["tmp"][0].sandbox.container
+        container.reload()
+        assert container.attrs["HostConfig"]["SecurityOpt"] == ["no-new-privileges", "apparmor=rewardbox-sandbox"]
+        report = score(s, "tmp", ["a", "b", "c"])
+        assert report.statuses == ["ok"] * 3 and report.values == [0.0] * 3, report.errors  # writable, private
+    finally:
+        if enforced:
+            subprocess.run([apparmor.parser(), "--remove", str(tmp_path / apparmor.NAME)], check=False)
 
 
 def test_a_profile_the_engines_host_has_not_loaded_is_an_error_saying_how_to_load_it(docker_client, base_image,
