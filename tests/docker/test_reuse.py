@@ -223,13 +223,16 @@ def test_cpu_burning_leftovers_die_before_later_samples_run(sandboxes):
         score = 1.0
     """)
     # 1.0 when the innocent had the CPU for at least a quarter of its wall time (60 spinners left behind by each
-    # of 3 samples would give it about a 90th). It waits first: what a sample does while it runs is contention
-    # between concurrent samples (the README's threat model); what it leaves after it ended must be gone by then.
+    # of 3 samples would give it about a 90th; innocents beside live spinners measured 20-23x). It waits first: what
+    # a sample does while it runs is contention between concurrent samples (the README's threat model); what it
+    # leaves after it ended must be gone by then. It computes for a few tenths of a second: over the 60 ms it once
+    # computed, one innocent of 6 measured past 4x once in a fresh clone's full run, cause not found (alone, 18
+    # innocents measured 1.0-1.1x; a pause of 0.2 s anywhere on the host would do it).
     busy = textwrap.dedent("""
         import time
         time.sleep(1.0)
         wall, cpu = time.monotonic(), time.process_time()
-        sum(range(3_000_000))
+        sum(range(12_000_000))
         score = float(time.monotonic() - wall < 4 * (time.process_time() - cpu) + 0.05)
     """)
     _innocents_after(sandboxes, [spinners] * 3, busy, 1.0, 6)
