@@ -120,8 +120,8 @@ def parser() -> Optional[str]:
         (p for p in ("/sbin/apparmor_parser", "/usr/sbin/apparmor_parser") if os.access(p, os.X_OK)), None)
 
 
-def check(text: str, path: Optional[Path] = None) -> None:
-    """Compiles ``text`` with this host's parser without loading it into the kernel.
+def check(text: str) -> str:
+    """Compiles ``text`` with this host's parser without loading it into the kernel. Returns the parser's path.
 
     Raises:
         BackendError: no parser here, or it refused the profile (its message)."""
@@ -132,7 +132,8 @@ def check(text: str, path: Optional[Path] = None) -> None:
     result = subprocess.run([exe, "--skip-kernel-load", "--skip-cache", "--quiet"], input=text,
                             capture_output=True, text=True, check=False)
     if result.returncode != 0:
-        raise BackendError(f"apparmor_parser refused the profile{f' {path}' if path else ''}: {_said(result)}")
+        raise BackendError(f"apparmor_parser refused the profile: {_said(result)}")
+    return exe
 
 
 def install(text: str, name: str = NAME, directory: Path = DIRECTORY) -> Path:
@@ -146,7 +147,7 @@ def install(text: str, name: str = NAME, directory: Path = DIRECTORY) -> Path:
         raise BackendError("loading an AppArmor profile needs root: run `sudo rewardbox apparmor --install`, or "
                            f"write `rewardbox apparmor` to {directory / name} and run "
                            f"`sudo apparmor_parser -r {directory / name}`")
-    check(text)
+    exe = check(text)
     path = directory / name
     try:
         if path.exists() and HEADER not in path.read_text(errors="replace"):
@@ -155,8 +156,7 @@ def install(text: str, name: str = NAME, directory: Path = DIRECTORY) -> Path:
     except OSError as e:
         raise BackendError(f"cannot write {path}: {e.strerror} (is AppArmor installed? Debian and Ubuntu: "
                            "apt-get install apparmor)") from None
-    result = subprocess.run([parser() or "apparmor_parser", "--replace", str(path)], capture_output=True,
-                            text=True, check=False)
+    result = subprocess.run([exe, "--replace", str(path)], capture_output=True, text=True, check=False)
     if result.returncode != 0:
         path.unlink(missing_ok=True)
         raise BackendError(f"apparmor_parser could not load {path}: {_said(result)} (is AppArmor enabled "

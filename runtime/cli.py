@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
+from . import apparmor as profiles
 from .base_image import OFFLINE_BASE
 from .errors import ConfigError, RewardboxError
 from .reward import SandboxedReward
@@ -244,7 +245,7 @@ def base_image(
 @app.command()
 def apparmor(
     install: bool = typer.Option(False, "--install", help="write it to /etc/apparmor.d and load it (root)"),
-    name: str = typer.Option("rewardbox-sandbox", help="the profile's name"),
+    name: str = typer.Option(profiles.NAME, help="the profile's name"),
     userns: bool = typer.Option(False, "--userns", help="AppArmor 4.0's ABI and user namespaces allowed, for hosts "
                                 "that force user-namespace mediation on every profile "
                                 "(kernel.apparmor_restrict_unprivileged_userns_force=1)"),
@@ -252,8 +253,6 @@ def apparmor(
     """Print (or --install) an AppArmor profile for sandbox containers: Docker's default one with the three mounts of
     the private /tmp allowed. On hosts that confine containers with AppArmor, Docker's default profile refuses them and
     /tmp stays read-only; after --install, set sandbox.docker.apparmor_profile to NAME."""
-    from . import apparmor as profiles
-
     try:
         text = profiles.profile(name, userns=userns)
         if not install:

@@ -113,11 +113,16 @@ class DockerSettings(BackendSettings):
         "(the image build needs no network); build: the image build runs apt-get with the engine's default network")
 
 
+def confines_with_apparmor(engine_info: dict) -> bool:
+    """Whether the engine whose ``docker info`` this is confines its containers with AppArmor."""
+    return any("name=apparmor" in option for option in engine_info.get("SecurityOptions") or ())
+
+
 def apparmor_warning(engine_info: dict, settings: DockerSettings) -> Optional[str]:
     """What to tell a user whose engine confines containers with AppArmor under Docker's default profile, which
     refuses the mounts of the private /tmp (each sandbox then leaves /tmp read-only, or stops with private_tmp:
     on); None where that does not apply. ``engine_info``: the engine's ``docker info``."""
-    confined = any("name=apparmor" in option for option in engine_info.get("SecurityOptions") or ())
+    confined = confines_with_apparmor(engine_info)
     named = settings.apparmor_profile not in (None, "docker-default")  # the engine's default, named
     if not confined or settings.private_tmp == "off" or named or is_gvisor(settings.runtime):
         return None

@@ -195,8 +195,9 @@ def test_the_apparmor_profile_setting_reaches_the_engine_and_samples_keep_a_priv
     # to /tmp test it. This machine's kernel has no AppArmor and its engine ignores the profile: here this checks
     # what the engine is asked and that the sandbox serves (tests/host/test_apparmor compiles the profile).
     from rewardbox import apparmor
+    from rewardbox.backends.docker import confines_with_apparmor
 
-    enforced = any("name=apparmor" in o for o in docker_client.info().get("SecurityOptions") or ())
+    enforced = confines_with_apparmor(docker_client.info())
     if enforced:
         apparmor.install(apparmor.profile(), apparmor.NAME, tmp_path)
     try:
