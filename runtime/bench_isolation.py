@@ -1,10 +1,15 @@
-"""``rewardbox bench`` part (h): ``isolation: sample`` at real GRPO batch sizes (1,024 and 4,096 completions).
+"""``rewardbox bench`` part (h): ``isolation: sample`` (each sample in a process of its own, forked from the
+reward's state after import) at real GRPO batch sizes, against its floor.
 
-- a pure reward (a regex): ``isolation: sample`` (processes reused while nothing could leave state behind) versus
-  ``isolation: worker``, wall time per batch and the container's CPU seconds per 1,000 samples;
-- a reward that ``exec``s each completion (so every sample needs a fresh process): ``isolation: sample`` and
-  ``isolation: process``, CPU per sample beside the fork floor measured in the same image in the same run (a bare
-  ``python3`` forking, exiting and being waited for; and the same with the sandbox's template modules imported);
+- three rewards, 1,024 completions each: a regex (pure), one that ``exec``s each completion, and the quickstart's
+  sympy ``correct`` reward (in its own image, with sympy): the container's CPU per sample under ``isolation:
+  sample``, beside that reward's **sample floor** measured in the same run in the same image: a process that
+  holds the template's modules and the imported reward forks, its child scores one completion and encodes the
+  answer into a shared mapping, and exits, and is waited for (target: at most 1.5x);
+- the same regex reward under ``isolation: worker`` (processes reused: the speed a user buys by vouching that the
+  reward keeps no state that matters), wall time per batch at 1,024 and 4,096 completions beside ``sample``'s;
+- the bare fork floors (a ``python3`` that holds nothing; one that holds the template's modules) and the isolation
+  floor (a fork that takes a uid of its own and a private /tmp, as a fresh slot process must);
 - a CPU-bound reward (~5 ms a sample): samples per second, sample versus worker.
 
 CPU time is the container's (its cgroup's ``cpuacct`` counter, read through the engine), so the server, the
@@ -14,6 +19,7 @@ template, the slot processes and their forks are all counted.
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import textwrap
 import time
@@ -39,8 +45,10 @@ REWARDS = textwrap.dedent(
         return float(namespace.get("score", 0.0))
     """
 )
+QUICKSTART_REWARD = Path(__file__).resolve().parents[1] / "examples" / "quickstart" / "rewards" / "correct.py"
 
-# CPU seconds per fork of this process (its children's included) with ``child`` run in each child before it exits.
+# CPU seconds per fork of this process (its children's included) with ``child(i)`` run in the i-th child before it
+# exits.
 _PER_FORK = textwrap.dedent(
     """
     import os, resource
@@ -49,12 +57,12 @@ _PER_FORK = textwrap.dedent(
             me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
             return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
         start = cpu()
-        for _ in range(n):
+        for i in range(n):
             pid = os.fork()
             if pid == 0:
                 code = 1
                 try:
-                    child()
+                    child(i)
                     code = 0
                 finally:
                     os._exit(code)
@@ -63,27 +71,34 @@ _PER_FORK = textwrap.dedent(
         return (cpu() - start) / n
     """
 )
+# argv: nothing (a bare python3), "template" (holding the template's modules), or "sample" with a JSON file of the
+# reward's source, its function's name and the completions with their example columns: a reward's sample floor, its
+# module imported (and frozen, as the template does) before the forks, each child scoring one completion with it and
+# encoding the answer into a mapping shared with its parent, and nothing else (no uid, no cleanup, no socket).
 FLOOR = _PER_FORK + textwrap.dedent(
     """
-    import mmap, sys
+    import gc, json, mmap, sys, types
+    child = lambda i: None
     if sys.argv[1:]:
         from rewardbox.sandbox import template, slot, worker, execution  # what a template holds
-    child = lambda: None
-    if sys.argv[1:] == ["sample"]:
-        # The least a forked exec sample can cost: the child runs the bench's exec reward on one completion and
-        # writes its encoded answer into a mapping shared with its parent, and nothing else (no uid, no cleanup,
-        # no socket, no answer sent).
+    if sys.argv[1:2] == ["sample"]:
         from rewardbox.sandbox import codec
         from rewardbox.wire import Outcome
+        with open(sys.argv[2]) as f:
+            spec = json.load(f)
+        module = types.ModuleType("bench_floor_reward")
+        module.__file__ = "/tmp/bench_floor_reward.py"
+        sys.modules[module.__name__] = module
+        exec(compile(spec["source"], module.__file__, "exec"), module.__dict__)
+        fn = getattr(module, spec["function"])
+        samples = spec["samples"]
+        gc.freeze()
         answer = mmap.mmap(-1, 1 << 16)
-        def run_it(completion):
-            namespace = {}
-            exec(completion, namespace)
-            return float(namespace.get("score", 0.0))
-        def child():
-            data = codec.encode_result([Outcome.ok(run_it("score = 3 / 7"))], "", 0, 4096, 0.001)
+        def child(i):
+            completion, example = samples[i % len(samples)]
+            data = codec.encode_result([Outcome.ok(float(fn("p", completion, example)))], "", 0, 4096, 0.001)
             answer[:len(data)] = data
-    print(per_fork(500, child))
+    print(per_fork(int(sys.argv[-1]) if sys.argv[-1].isdigit() else 500, child))
     """
 )
 # What any fresh process per sample must do with the guarantees of isolation: sample (a uid of its own and a
@@ -125,10 +140,11 @@ async def _settled(client, window_s: float = 0.25, idle: float = 0.05, at_most_s
 
 
 def _measure(client, config, backend, name: str, completions: list, batches: int = BATCHES,
-             then: Optional[Callable] = None) -> tuple[float, float]:
-    """(median wall seconds per batch, container CPU seconds per 1,000 samples) after a warm-up batch. ``then``
-    is called with the sandbox's container after the batches, while it still runs."""
-    samples = build_samples(["p"] * len(completions), completions, {})
+             then: Optional[Callable] = None, columns: Optional[dict] = None) -> tuple[float, float]:
+    """(median wall seconds per batch, container CPU seconds per 1,000 samples) after a warm-up batch (``columns``:
+    the samples' dataset columns). ``then`` is called with the sandbox's container after the batches, while it
+    still runs."""
+    samples = build_samples(["p"] * len(completions), completions, columns or {})
     with RewardSandboxes(config, backend=backend) as sandboxes:
         client_ = sandboxes[name].client
 
@@ -161,15 +177,43 @@ def _isolation_floor(container) -> Optional[float]:
     return float(out.decode().strip().splitlines()[-1])
 
 
-def _fork_floor(client, image: str) -> tuple[float, float, float]:
-    """(bare python3, python3 holding the template's modules, the same whose child also scores one exec sample and
-    encodes its answer): CPU seconds per fork+exit+wait, in ``image``."""
+def _fork_floors(client, image: str) -> tuple[float, float]:
+    """(bare python3, python3 holding the template's modules): CPU seconds per fork+exit+wait, in ``image``."""
     floors = []
-    for extra in ([], ["template"], ["sample"]):
+    for extra in ([], ["template"]):
         out = client.containers.run(image, ["python3", "-c", FLOOR, *extra], entrypoint=[], remove=True,
                                     network_mode="none", user="65534")
         floors.append(float(out.decode().strip().splitlines()[-1]))
-    return floors[0], floors[1], floors[2]
+    return floors[0], floors[1]
+
+
+def _sample_floor(client, image: str, directory: Path, source: str, function: str, samples: list,
+                  forks: int = 500) -> float:
+    """A reward's sample floor (:data:`FLOOR` "sample") in its own ``image``: CPU seconds per fork whose child scores
+    one of ``samples`` ((completion, example) pairs, in turn)."""
+    spec = directory / f"floor_{function}.json"
+    spec.write_text(json.dumps({"source": source, "function": function, "samples": samples}))
+    out = client.containers.run(image, ["python3", "-c", FLOOR, "sample", "/floor/" + spec.name, str(forks)],
+                                entrypoint=[], remove=True, network_mode="none", user="65534",
+                                volumes={str(directory.resolve()): {"bind": "/floor", "mode": "ro"}})
+    return float(out.decode().strip().splitlines()[-1])
+
+
+def _image(config, backend) -> Optional[str]:
+    (image, _), = backend.builder.ensure_images(config.rewards, backend.settings).values()
+    return image or None
+
+
+def _quickstart_samples(n: int) -> tuple[list, list]:
+    """(completions, answers) like the quickstart's: numbers and small expressions, right and wrong, some without
+    the answer tags."""
+    completions, answers = [], []
+    for i in range(n):
+        answer = str(i % 50)
+        shown = [answer, f"{i % 50} + 0", f"x + {i % 7}", f"2*{i % 25}", str(i % 50 + 1)][i % 5]
+        completions.append(f"<think>adding</think> <answer>{shown}</answer>" if i % 3 else f"it is {i % 50}")
+        answers.append(answer)
+    return completions, answers
 
 
 def isolation_figures(client, directory: Path, base_image: str, make_config: Callable, make_backend: Callable,
@@ -178,13 +222,51 @@ def isolation_figures(client, directory: Path, base_image: str, make_config: Cal
     own; ``figure(name, value, target, met)`` makes one of its figures; ``bench_rewards`` is the source of its
     rewards (``cpu_bound`` among them), which part (h)'s are added to."""
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "bench_rewards.py").write_text(bench_rewards + REWARDS)
+    rewards_source = bench_rewards + REWARDS
+    (directory / "bench_rewards.py").write_text(rewards_source)
+    quickstart = QUICKSTART_REWARD.read_text()
+    (directory / "correct.py").write_text(quickstart)
     figures = []
 
     def config_for(function: str, isolation: str, **extra):
         return make_config(directory, base_image, [{"name": f"{function}_{isolation}", "function": function,
                                                      "workers": 2, "cpus": 2, "isolation": isolation,
                                                      "memory": "2g", "timeout_s": 30, **extra}])
+
+    regex_completions = [f"<think>{i}</think><answer>{i}</answer>" if i % 2 else f"no tags {i}" for i in range(1024)]
+    qs_completions, qs_answers = _quickstart_samples(1024)
+    cases = [  # (label, function, extra reward settings, completions, columns, source)
+        ("regex reward", "regex", {}, regex_completions, {}, rewards_source),
+        ("exec reward", "run_it", {}, [f"score = {i % 7} / 7" for i in range(1024)], {}, rewards_source),
+        ("quickstart's sympy reward", "correctness_reward", {"source": "correct.py", "packages": ["sympy>=1.12"]},
+         qs_completions, {"answer": qs_answers}, quickstart),
+    ]
+    floors: dict = {}
+    image = None
+    for label, function, extra, completions, columns, source in cases:
+        progress(f"(h) {label}, 1024 completions, isolation: sample")
+        config = config_for(function, "sample", **extra)
+        then = (lambda c: floors.update(isolated=_isolation_floor(c))) if function == "run_it" else None
+        wall, cpu = _measure(client, config, make_backend(config, client), f"{function}_sample", completions, 3,
+                             then, columns)
+        progress(f"(h) {label}: its sample floor in its own image")
+        reward_image = _image(config, make_backend(config, client))
+        image = image or reward_image
+        samples = [(c, {k: str(v[i]) for k, v in columns.items()}) for i, c in enumerate(completions)]
+        floor = _sample_floor(client, reward_image, directory, source, function, samples) if reward_image else None
+        per_sample = cpu / 1000
+        figures.append(figure(f"{label}, 1024 completions, isolation: sample (median of 3)",
+                              f"{wall * 1000:.0f} ms, {per_sample * 1000:.2f} ms CPU a sample", "-", None))
+        if floor:
+            ratio = per_sample / floor
+            figures += [
+                figure(f"{label}: sample floor (fork of the imported reward, child scores one and answers)",
+                       f"{floor * 1000:.2f} ms CPU", "-", None),
+                figure(f"{label}, isolation: sample, CPU per sample / its sample floor", f"{ratio:.2f}x",
+                       "<= 1.5x", ratio <= 1.5),
+            ]
+        if function == "run_it":
+            floors["exec"] = per_sample
 
     for n in (1024, 4096):
         completions = [f"<think>{i}</think><answer>{i}</answer>" if i % 2 else f"no tags {i}" for i in range(n)]
@@ -193,58 +275,32 @@ def isolation_figures(client, directory: Path, base_image: str, make_config: Cal
             progress(f"(h) regex reward, {n} completions, isolation: {isolation}")
             config = config_for("regex", isolation)
             measured[isolation] = _measure(client, config, make_backend(config, client), f"regex_{isolation}",
-                                           completions)
+                                           completions, BATCHES if isolation == "worker" else 3)
         (w_wall, w_cpu), (s_wall, s_cpu) = measured["worker"], measured["sample"]
-        ratio = s_wall / w_wall
         figures += [
             figure(f"regex reward, {n} completions, isolation: worker (median of {BATCHES})",
                    f"{w_wall * 1000:.1f} ms, {w_cpu:.3f} CPU s/1k", "-", None),
-            figure(f"regex reward, {n} completions, isolation: sample (median of {BATCHES})",
-                   f"{s_wall * 1000:.1f} ms, {s_cpu:.3f} CPU s/1k", "-", None),
-            figure(f"regex reward, {n} completions: sample / worker (wall)", f"{ratio:.2f}x", "<= 1.5x",
-                   ratio <= 1.5),
+            figure(f"regex reward, {n} completions, isolation: sample (median of 3)",
+                   f"{s_wall * 1000:.1f} ms, {s_cpu:.3f} CPU s/1k ({s_wall / w_wall:.0f}x worker's wall)", "-",
+                   None),
         ]
 
-    completions = [f"score = {i % 7} / 7" for i in range(1024)]
-    per_sample = {}
-    floors: dict = {}
-    for isolation in ("sample", "process"):
-        progress(f"(h) exec reward, 1024 completions, isolation: {isolation}")
-        config = config_for("run_it", isolation)
-        then = (lambda c: floors.update(isolated=_isolation_floor(c))) if isolation == "sample" else None
-        wall, cpu = _measure(client, config, make_backend(config, client), f"run_it_{isolation}", completions, 3,
-                             then)
-        per_sample[isolation] = cpu / 1000
-        figures.append(figure(f"exec reward, 1024 completions, isolation: {isolation} (median of 3)",
-                              f"{wall * 1000:.0f} ms, {cpu:.2f} CPU s/1k", "-", None))
-    progress("(h) fork floor in the sandbox image")
-    backend = make_backend(config, client)
-    (image, _), = backend.builder.ensure_images(config.rewards, backend.settings).values()
     if image:
-        bare, template, sample = _fork_floor(client, image)
-        ratio = per_sample["sample"] / bare
+        progress("(h) fork floors in the sandbox image")
+        bare, template = _fork_floors(client, image)
         figures += [
             figure("fork floor: bare python3 fork+exit+wait, CPU per fork (same image)", f"{bare * 1000:.2f} ms",
                    "-", None),
             figure("fork floor: python3 holding the template's modules, CPU per fork", f"{template * 1000:.2f} ms",
                    "-", None),
-            figure("sample floor: the same, its child exec'ing one completion and encoding the answer, CPU per "
-                   f"fork ({sample / bare:.1f}x the bare floor)", f"{sample * 1000:.2f} ms", "-", None),
-            figure("exec reward, isolation: sample, CPU per sample / bare fork floor", f"{ratio:.1f}x", "<= 2x",
-                   ratio <= 2.0),
-            figure("exec reward, isolation: sample, CPU per sample / fork floor holding the template's modules",
-                   f"{per_sample['sample'] / template:.1f}x", "-", None),
-            figure("exec reward, isolation: sample, CPU per sample / sample floor",
-                   f"{per_sample['sample'] / sample:.1f}x", "<= 2x", per_sample["sample"] / sample <= 2.0),
         ]
+        if floors.get("exec"):
+            figures.append(figure("exec reward, isolation: sample, CPU per sample / bare fork floor",
+                                  f"{floors['exec'] / bare:.1f}x", "-", None))
     if floors.get("isolated"):
         isolated = floors["isolated"]
-        figures += [
-            figure("isolation floor: template fork + own uid + private /tmp + exit, CPU per process (sandbox "
-                   "container)", f"{isolated * 1000:.2f} ms", "-", None),
-            figure("exec reward, isolation: sample, CPU per sample / isolation floor",
-                   f"{per_sample['sample'] / isolated:.1f}x", "-", None),
-        ]
+        figures.append(figure("isolation floor: template fork + own uid + private /tmp + exit, CPU per process "
+                              "(sandbox container)", f"{isolated * 1000:.2f} ms", "-", None))
 
     rates = {}
     batch = ["c"] * 1024
@@ -255,5 +311,5 @@ def isolation_figures(client, directory: Path, base_image: str, make_config: Cal
         rates[isolation] = len(batch) / wall
     ratio = rates["sample"] / rates["worker"]
     figures.append(figure("CPU-bound (5 ms/sample), 1024 completions: samples/s, sample vs worker",
-                          f"{rates['sample']:.0f} vs {rates['worker']:.0f} ({ratio:.0%})", ">= 90%", ratio >= 0.9))
+                          f"{rates['sample']:.0f} vs {rates['worker']:.0f} ({ratio:.0%})", "-", None))
     return figures

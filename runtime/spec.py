@@ -119,10 +119,10 @@ class RewardSpec(_Strict):
         "open-r1's get_cosine_scaled_reward(...)); JSON values only")
     style: Literal["sample", "batch"] = "sample"
     isolation: Literal["sample", "process", "worker"] = Field(
-        default="sample", description="sample: every sample starts from the module's state after import, in a "
-        "process reused only while nothing happened in it that could leave state behind (per call, batch style); "
-        "process: a fresh process for every sample, always; worker: reused processes that keep state across "
-        "samples (trusted code only)")
+        default="sample", description="sample: every sample (batch style: every call) runs in a process of its "
+        "own, forked from the module's state after import, so nothing one sample does reaches another; process: "
+        "the same, in a freshly prepared process per sample (slower); worker: processes reused across samples, "
+        "which keep whatever state the reward leaves (only for rewards you vouch keep none that matters)")
     packages: list[str] = Field(default_factory=list, description="pip requirement strings, or local folders/wheels")
     system_packages: list[str] = Field(default_factory=list, description="Debian packages installed in this "
                                        "reward's image, e.g. [g++, nodejs]")

@@ -1,9 +1,8 @@
 """What crosses from the server to a worker and back, per request.
 
 Request (server -> worker; trusted): its size (u64), then length-prefixed (u32) parts: a JSON header (the timeout, the
-trainer state, the number of samples, and whether each unit runs in a child of the slot process: ``isolation:
-sample`` for a reward whose samples taint their processes, :mod:`.forked`), then one JSON array per sample. A slot
-process receives it into a mapping of its own and decodes only the samples it runs (:class:`Request`).
+trainer state, the number of samples), then one JSON array per sample. A slot process receives it into a mapping of
+its own and decodes only the samples it runs (:class:`Request`).
 
 Result (worker -> server; **hostile**: model-written code ran in that process and may have written anything):
 a fixed binary layout, read with a size bound and validated field by field. Nothing in it is unpickled or
@@ -16,12 +15,15 @@ evaluated; a result that does not parse exactly is the samples' ``invalid``, nev
 Before any of it, the worker writes one byte, ``STARTED``, when it takes the request (before the function runs),
 so the server can tell a request that never ran from one whose worker died, and starts the deadline there.
 
-Streamed (``isolation: sample`` and ``process``): one answer per unit (a sample; for batch style, the whole call),
-written as soon as that unit is scored, each followed by a trailer: ``C`` (the process may go on) or a marker
-(:mod:`.reuse`: it must not). A marker may also come *before* a unit's answer: that unit's reward call did
-something that could leave state behind, and everything after its own answer is ignored. A slot process that runs
-a forked request's units in children (:mod:`.forked`) first writes ``FORKING``; the slot process itself writes
-every answer and trailer then, and may report a crash.
+Streamed (``isolation: sample`` and ``process``), in one of two shapes, which the server knows before it sends the
+request (the template says whether its slot processes fork):
+
+- *forked* (``isolation: sample`` where slot processes fork: :mod:`.forked`): ``FORKING``, then per unit (a sample;
+  for batch style, the whole call), as soon as it is scored: any number of ``WAITED`` markers, its answer and a
+  trailer, ``CLEAN`` (the slot process goes on) or a :func:`retire_marker` (it must not serve again). The slot
+  process, which runs no reward code on data, writes all of it, and may report a crash;
+- *alone* (``isolation: process``, and ``sample`` where slot processes cannot fork): one answer, for the request's
+  one unit, which the process scored itself; nothing after it is read, and the process never serves again.
 """
 
 from __future__ import annotations
@@ -37,9 +39,13 @@ from .records import ChunkResult, SampleBatch
 
 STARTED = b"S"
 FORKING = b"F"  # a forked request's first byte after STARTED: the slot process runs its units in children
-# ... or, instead, the slot process retires without running any: it scored units itself before, and its children
-# would inherit what they left in its memory. Its units go to another process.
-RETIRING = b"X"
+# A forked unit's trailer: the slot process may serve the next unit (CLEAN), or must retire (RETIRE, then the unit's
+# index and why: retire_marker)
+CLEAN = b"C"
+RETIRE = b"T"
+_MARKER = struct.Struct("<cIB")  # RETIRE, the unit's index in its request, length of the reason that follows
+MARKER_HEAD = _MARKER.size
+MAX_REASON = 120
 # In a forked request, before a unit's answer, any number of times: the unit's deadline moved by this many
 # milliseconds (its processes waited as long for a CPU that other samples held: .cpu_wait).
 WAITED = b"Q"
@@ -72,10 +78,21 @@ _decode = json.JSONDecoder().decode
 SIZE_BYTES = _SIZE.size
 
 
-def encode_request(batch: SampleBatch, timeout_s: float, trainer_state: Optional[dict], fork: bool = False) -> bytes:
-    """``fork``: run each unit in a child of the slot process (:mod:`.forked`). Each sample is JSON of its own, so a
-    slot process decodes only the samples it runs (:class:`Request`)."""
-    header = json.dumps({"timeout_s": timeout_s, "fork": fork, "trainer_state": trainer_state,
+def retire_marker(index: int, reason: str) -> bytes:
+    """The trailer that tells the server that the slot process must not serve again after unit ``index``, and why."""
+    data = reason.encode("ascii", "backslashreplace")[:MAX_REASON]
+    return _MARKER.pack(RETIRE, index, len(data)) + data
+
+
+def parse_marker_head(head: bytes) -> tuple[int, int]:
+    """(unit index, reason length) from the first MARKER_HEAD bytes of a retire marker."""
+    _, index, length = _MARKER.unpack(head)
+    return index, length
+
+
+def encode_request(batch: SampleBatch, timeout_s: float, trainer_state: Optional[dict]) -> bytes:
+    """Each sample is JSON of its own, so a slot process decodes only the samples it runs (:class:`Request`)."""
+    header = json.dumps({"timeout_s": timeout_s, "trainer_state": trainer_state,
                          "samples": len(batch), "ids": batch.completion_ids is not None}, separators=(",", ":"))
     parts = [header.encode()]
     ids = batch.completion_ids
@@ -95,9 +112,9 @@ def request_size(prefix: bytes) -> int:
 
 class Request:
     """A request as a slot process holds it: the bytes after its size, in a memory mapping of their own (never in
-    Python's heap), decoded a sample at a time. :meth:`close` unmaps them: a forked child once it decoded its own
-    samples (:mod:`.forked`), a process a sample tainted before that sample's code runs (:mod:`.reuse`). So code from
-    one sample never finds the text of the request's other samples in its process's memory.
+    Python's heap), decoded a sample at a time. :meth:`close` unmaps them once the process that scores a unit decoded
+    its own samples, before the reward sees them (a forked child: :mod:`.forked`; a process that scores its one unit
+    itself). So code from one sample never finds the text of the request's other samples in its process's memory.
 
     Raises (on construction):
         ValueError: the bytes do not hold a request (the server wrote them: a bug, not an attack).
@@ -118,7 +135,6 @@ class Request:
             raise ValueError(f"a request of {len(self.offsets) - 1} samples says {header['samples']}")
         self.timeout_s = float(header["timeout_s"])
         self.trainer_state: Optional[dict] = header["trainer_state"]
-        self.fork = bool(header["fork"])
         self.ids = bool(header["ids"])
 
     def __len__(self) -> int:

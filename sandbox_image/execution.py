@@ -31,7 +31,7 @@ from .languages import LANGUAGES, lookup
 if TYPE_CHECKING:
     import subprocess
 
-_sigmask = _signal.pthread_sigmask  # not the one a slot process wraps to report a sample's own uses (.reuse)
+_sigmask = _signal.pthread_sigmask  # bound at import: a reward that replaces signal's does not change ours
 STATUSES = ("ok", "runtime_error", "timeout", "memory", "compile_error", "output_limit")
 MAX_REPLY = 2 * run_requests.MAX_REQUEST + (64 << 20)
 

@@ -1,22 +1,22 @@
-"""``isolation: sample`` for a reward whose samples taint their process: each sample in a child of the slot process.
+"""``isolation: sample``: each unit (a sample; a batch-style call) in a child of a slot process.
 
-A reward that ``exec``s each completion (or compiles, imports, starts processes, ...) leaves every process it runs in
-unfit for another sample (:mod:`.reuse`). Retiring the slot process after each such sample means forking and
-preparing a new one from the template for the next: a uid change, a user and a mount namespace, seccomp, limits,
-and the template's own copy-on-write faults after every fork; most of what such a sample costs. Instead, once a
-reward's samples taint their processes, the server asks for its requests to be *forked* (:mod:`.codec`): the slot
-process runs each unit in a child of its own, which inherits all the slot process was given (its uid, its private
-``/tmp``, the seccomp filter, the limits, the niceness) and nothing any sample did, as the slot process runs no
-reward code on data while it forks. The child decodes its own sample from the request's mapping and unmaps the rest
-before the reward sees it (:class:`.codec.Request`).
+Any process in which a reward scored a sample may keep something of it: a decimal context's flags, a cache, a
+parser's buffer, a library's globals, whatever the reward's own code (or model text it evaluates) changed. So no
+process that scored one unit scores another: the slot process runs each unit in a child of its own, which inherits
+all the slot process was given (its uid, its private ``/tmp``, the seccomp filter, the limits, the niceness) and
+nothing any unit did, as the slot process runs no reward code on data, ever. This holds by construction, for every
+reward and every unit, whatever the reward's code does: nothing decides whether a process "looks" clean. A fresh
+slot process for each unit would give the same, at several times the cost (a uid change, a user and a mount
+namespace, seccomp, limits, and the template's own copy-on-write faults after every fork). The child decodes its own
+sample from the request's mapping and unmaps the rest before the reward sees it (:class:`.codec.Request`).
 
 Before the next child starts, everything a unit left is gone:
 
 - every process of the slot's uid is killed and reaped. The slot process is the subreaper of all it forks, so every
   process of its uid is its descendant; Linux's ``kill(-1)`` reaches them all at once (no fork can pass it), and
   once ``waitpid`` finds no child left, none is left anywhere (no ``/proc`` scan is needed). gVisor's ``kill(-1)``
-  is not atomic, and there an orphan need not come back to its subreaper: under gVisor a sample that taints its
-  process still retires it, and the template's next process for the slot cleans up (:func:`.slot.prepare`);
+  is not atomic, and there an orphan need not come back to its subreaper: under gVisor each unit runs in a slot
+  process of its own, and the template's next process for the slot cleans up (:func:`.slot.prepare`);
 - what its processes left in flight in a cycle of Unix sockets is freed
   (:meth:`.sockets.UnixSockets.wait_for_in_flight`): a listening socket there keeps its port until then, and the
   next sample's ``bind()`` to it would fail;
@@ -65,7 +65,7 @@ DONE = b"D"  # the child wrote its answer
 # start (its fork and its sample's decoding take about a millisecond), and answers ``timeout``. Well under the
 # server's HARD_TIMEOUT_MARGIN_S, so the server still gets this unit's answer in time.
 START_ALLOWANCE_S = 0.05
-# Not the ones a slot process wraps to report a sample's own uses (.reuse): these calls are this trusted code's.
+# Bound at import: these calls are this trusted code's, whatever a reward replaces in the signal module.
 _set_handler, _set_wakeup_fd = _signal.signal, _signal.set_wakeup_fd
 
 

@@ -5,9 +5,11 @@ writes a start byte when it takes the request, then its answer. The server start
 byte, reads at most the answer's bound, and parses it strictly; a worker that runs past its deadline is killed by
 the template, one that dies without answering is ``crash`` with the exit status the template reports.
 
-- ``isolation: sample``: every sample is its own request (a batch-style call, the whole batch), in a fresh slot
-  process; ``workers`` of them run at once (``workers * concurrency`` for async functions), on ``warm`` processes
-  forked ahead.
+- ``isolation: sample``: each sample (a batch-style call: the whole batch) runs in a process of its own, forked from
+  a slot process that runs no reward code on data (:mod:`.forked`), so each starts from the reward module's state
+  after import; a request carries many samples. Where slot processes cannot fork (gVisor, the local backend) and
+  under ``isolation: process``, every sample is a request of its own, in a fresh slot process. ``workers`` requests
+  run at once (``workers * concurrency`` for async functions), on processes forked ahead.
 - ``isolation: worker``: a batch is cut into one chunk per worker; a chunk whose worker crashed or hung is re-run
   one sample per request, so only the guilty sample gets ``crash`` or ``timeout``.
 - Batch style, either way: a call that crashed or hung is re-run one sample at a time to find the guilty samples;
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from ..wire import HARD_TIMEOUT_MARGIN_S, Outcome, Status, TrainerState
-from . import codec, cpu_wait, memory_use, reuse
+from . import codec, cpu_wait, memory_use
 from .channel import ChannelClosed, recv, send
 from .records import BatchResult, ChunkResult, FunctionInfo, SampleBatch, WorkerConfig
 
@@ -63,9 +65,7 @@ def _hung_or_crashed(done: Optional[ChunkResult], failed: Optional[Outcome]):
     return done, failed
 
 
-MAX_CHUNK = 4096  # samples in one streamed request
-# isolation: sample: after a sample tainted its process, this many samples of the reward run forked (:mod:`.forked`)
-FORKED_SAMPLES = 256
+MAX_CHUNK = 4096  # samples in one forked request
 WAITED_SLACK_S = 0.002  # a forked unit's deadline moves in whole milliseconds, rounded up (codec.WAITED)
 OOM_TWICE = ("the kernel's OOM killer acted in this sandbox while it ran, in both of its attempts: the sandbox's "
              "memory ran out (this sample's processes, or other samples' beside it, filled it faster than the memory "
@@ -235,7 +235,6 @@ class _Streamed:
     answered: list = field(default_factory=list)
     failed: Optional[Outcome] = None
     retired: bool = False
-    unattributed: bool = False  # a failure that none of the units left can be blamed for alone
     texts: Optional[_OutputBudget] = None  # the call's, applied to each answer as it arrives
 
     def add(self, answer: ChunkResult) -> None:
@@ -260,14 +259,6 @@ class FunctionPool:
         self._ids = itertools.count(1)
         self._exits: dict[int, _Exit] = {}
         self._live: set = set()  # requests sent and not yet answered
-        self._chunk_cap = MAX_CHUNK  # isolation: sample: samples per request; 1 after a taint, doubled after none
-        self._taints_logged: set = set()
-        # isolation: sample: samples still to be forked (:mod:`.forked`) since one last tainted its process. A new
-        # pool's first ones too: until one ran in a process that scores samples itself, nothing says they do not
-        # run code, and there a hostile one that blocks its own timer runs until the server's deadline, longer than
-        # an innocent beside it can be forgiven its wait for a CPU (cpu_wait, red team 11).
-        self._fork_left = FORKED_SAMPLES
-        self._can_fork = True  # until a slot process did not fork a forked request
         self._loaded: Optional[asyncio.Future] = None
         self._gate: Optional[asyncio.Semaphore] = None
         self._runners = 1  # requests running at once
@@ -315,7 +306,7 @@ class FunctionPool:
             info = message["info"]
             self._loaded.set_result(FunctionInfo(bool(info["is_async"]), tuple(info["accepted_keywords"]),
                                                  bool(info["accepts_var_keywords"]), str(info["signature"]),
-                                                 tuple(info["required_keywords"])))
+                                                 tuple(info["required_keywords"]), bool(message.get("forks"))))
         elif op == "load_error" and self._loaded is not None and not self._loaded.done():
             self._loaded.set_exception(LoadError(message["message"]))
         elif op == "exited" and int(message["req"]) in self._live:  # a late one is for a request already answered
@@ -376,12 +367,10 @@ class FunctionPool:
                 self.close()
 
     async def _score_streamed(self, batch: SampleBatch, timeout_s: float, state: Optional[dict]) -> BatchResult:
-        """isolation: sample and process (sample style): requests of several samples, each sample answered as soon as
-        it is scored. What a request leaves unscored (after a sample that tainted its process, crashed or hung) goes
-        back to the queue for another process. Every request settles at least one sample, but one answered by a
-        process that scored samples itself before and now withdraws its first sample or will not fork (reuse.WITHDRAW,
-        codec.RETIRING): that process retires, and its replacement never answers so before it scored a sample
-        itself. So a batch sees at most as many of those as its processes had scored samples."""
+        """isolation: sample and process (sample style): forked, requests of several samples, each sample answered as
+        soon as it is scored; otherwise a request per sample. What a request leaves unscored (after a sample that
+        crashed or hung, or one after which its slot process retired) goes back to the queue for another process.
+        Every request settles at least one sample."""
         outcomes: list = [None] * len(batch)  # per sample: a one-sample ChunkResult or an Outcome
         pending = collections.deque(range(len(batch)))
         replaced = 0
@@ -404,7 +393,7 @@ class FunctionPool:
         async def run_requests() -> None:
             nonlocal replaced, idle
             while pending:
-                size = 1 if alone else self._chunk_size(len(pending), idle)
+                size = self._chunk_size(len(pending), idle) if self._forks() and not alone else 1
                 taken = [pending.popleft() for _ in range(min(size, len(pending)))]
                 idle -= 1
                 kills = oom_kills()
@@ -421,11 +410,6 @@ class FunctionPool:
                     settled += 1
                     replaced += 1
                 pending.extendleft(reversed(taken[settled:]))
-                # A retired process sends back what it did not score: one sample per request until none retires,
-                # but while samples run forked (none retires then). A failure no unit could be blamed for alone
-                # sends them back too: one per request then, so each request settles the sample it ran.
-                self._chunk_cap = 1 if (streamed.retired and not self._forking()) or streamed.unattributed or \
-                    self.config.isolation == "process" else min(MAX_CHUNK, self._chunk_cap * 2)
 
         alone = False  # scoring victims again: one request of one sample at a time
         while pending or victims:
@@ -448,12 +432,12 @@ class FunctionPool:
                 result.add_failed(outcome)
         return result
 
-    def _chunk_size(self, pending: int, idle: int) -> int:
-        """Samples for the next request: an even share of what is left among the request loops free to take some
-        (one request each, in the order they queued for the gate: a call's samples are not spread thin over requests
-        that queue behind other calls'), up to the cap (a reward that taints its process gets one sample per
-        request, so no request carries samples that would only be sent back)."""
-        return max(1, min(self._chunk_cap, -(-pending // max(1, idle))))
+    @staticmethod
+    def _chunk_size(pending: int, idle: int) -> int:
+        """Samples for the next forked request: an even share of what is left among the request loops free to take
+        some (one request each, in the order they queued for the gate: a call's samples are not spread thin over
+        requests that queue behind other calls'), up to MAX_CHUNK."""
+        return max(1, min(MAX_CHUNK, -(-pending // max(1, idle))))
 
     async def _score_part(self, part: SampleBatch, timeout_s: float, state: Optional[dict], victims: list,
                           offset: int) -> BatchResult:
@@ -615,34 +599,27 @@ class FunctionPool:
     async def _stream(self, ours: socket.socket, request: int, batch: SampleBatch, timeout_s: float,
                       state: Optional[dict], units: Optional[int] = None,
                       texts: Optional[_OutputBudget] = None) -> "_Streamed":
-        """Reads a streamed answer (:mod:`.codec`, :mod:`.reuse`) unit by unit, each within its own deadline. Units
-        answered before a marker are kept; a unit whose call tainted its process keeps its own answer; the unit
-        running when the process died, hung or broke the format gets that status; the rest are left unscored."""
+        """Reads a streamed answer (:mod:`.codec`) unit by unit, each within its own deadline. Forked, units answered
+        before a retiring trailer are kept; the unit running when the slot process died, hung or broke the format
+        gets that status (each answer leaves it before the next unit starts: the unit that ran is the first
+        unanswered); the rest are left unscored. Not forked, the one unit's answer, and nothing after it."""
         loop = asyncio.get_running_loop()
         streamed = _Streamed(texts=texts)
-        tainted = False
-        asked = self._forks(len(batch))
-        streamed.failed = await self._begin(ours, request, batch, timeout_s, state, asked)
+        streamed.failed = await self._begin(ours, request, batch, timeout_s, state)
         if streamed.failed is not None:
             return streamed
         units = len(batch) if units is None else units
         per_unit = len(batch) // units
         reader = _Reader(ours, loop)
         unit_s = self._hard_timeout(per_unit, timeout_s)
-        # Forked only once the slot process said so: one that cannot fork (gVisor, local) and died or hung before
-        # its first answer ran its units itself, and which of them did it is not known (see unattributed below).
-        forked = False
+        forked = self._forks()
         try:
-            if asked:  # a slot process that forks says so first; one that cannot never will
-                await reader.fill(1, loop.time() + unit_s)
-                if reader.peek() == codec.RETIRING:  # it scored samples itself before: every unit goes back
-                    streamed.retired = True
-                    return streamed
-                forked = reader.peek() == codec.FORKING
-                if forked:
-                    reader.take(1)
-                else:
-                    self._can_fork = False
+            if not forked:  # the process scored its one unit itself (units is 1) and serves no other request
+                streamed.add(await self._frame(reader, per_unit, loop.time() + unit_s))
+                streamed.retired = True
+                return streamed
+            if await reader.exactly(1, loop.time() + unit_s) != codec.FORKING:
+                raise codec.MalformedResult("a forked request's answer did not start with its FORKING byte")
             k = 0
             moved = -1.0  # how far the running unit's deadline moved (-1: a new unit, whose deadline is not set)
             while k < units:
@@ -651,15 +628,14 @@ class FunctionPool:
                     moved = 0.0
                 await reader.fill(1, deadline_s)
                 clean, reader.pos = codec.decode_clean_units(reader.buffer, reader.pos, per_unit, units - k,
-                                                             self.config.max_log_bytes, reuse.CLEAN[0], forked)
+                                                             self.config.max_log_bytes, codec.CLEAN[0], True)
                 if clean:  # what has arrived of the clean units, at once
                     for answer in clean:
                         streamed.add(answer)
                     k += len(clean)
                     moved = -1.0
                     continue
-                kind = reader.peek()
-                if forked and kind == codec.WAITED:
+                if reader.peek() == codec.WAITED:
                     # The slot process moved the unit's deadline (its processes waited for a CPU others held:
                     # cpu_wait), within cpu_wait.most_forgiven_s in all; this one moves with it, never further.
                     later = codec.waited_seconds(await reader.exactly(codec.WAITED_SIZE, deadline_s))
@@ -669,28 +645,18 @@ class FunctionPool:
                     moved += later
                     deadline_s += later
                     continue
-                if kind in (reuse.MARK, reuse.WITHDRAW):
-                    index, reason = await self._marker(reader, deadline_s)
-                    if index != k:
-                        raise codec.MalformedResult(f"a marker names sample {index} while sample {k} runs")
-                    self._note_taint(reason)
-                    self._fork_left = FORKED_SAMPLES
-                    if kind == reuse.WITHDRAW:  # this unit goes back too, to a process that scored no other
-                        streamed.retired = True
-                        return streamed
-                    tainted = True
-                streamed.add(await self._frame(reader, per_unit, deadline_s, forked))
-                if tainted:  # what follows its own answer is not ours to read
+                streamed.add(await self._frame(reader, per_unit, deadline_s, forked=True))
+                trailer = await reader.exactly(1, deadline_s)
+                if trailer != codec.CLEAN:
+                    if trailer != codec.RETIRE:
+                        raise codec.MalformedResult(f"{trailer!r} came where a unit's trailer belongs")
+                    index, length = codec.parse_marker_head(
+                        trailer + await reader.exactly(codec.MARKER_HEAD - 1, deadline_s))
+                    reason = (await reader.exactly(length, deadline_s)).decode("ascii", "replace")
+                    log.warning("reward %s: a slot process retires after sample %d of its request: %s", self.name,
+                                index, reason)
                     streamed.retired = True
                     return streamed
-                await reader.fill(1, deadline_s)
-                if reader.peek() != reuse.CLEAN:  # a marker: this trusted process asks to be retired
-                    index, reason = await self._marker(reader, deadline_s)
-                    if index == k:
-                        self._note_taint(reason)
-                    streamed.retired = True
-                    return streamed
-                reader.take(1)
                 k += 1
                 moved = -1.0
         except asyncio.TimeoutError:
@@ -701,11 +667,6 @@ class FunctionPool:
             streamed.failed = Outcome.failed(Status.INVALID, f"malformed answer from the worker: {e}")
         if streamed.failed is not None or len(streamed.answered) < units:
             streamed.retired = True
-        if streamed.failed is not None and not tainted and not forked and units - len(streamed.answered) > 1:
-            # Answers of clean units travel together (slot.FLUSH_S): the one that hung or crashed may be any unit
-            # not answered yet. They all go back, one per request from now on, and the guilty one fails alone.
-            # Forked, each answer leaves before the next unit starts: the unit that ran is the first unanswered.
-            streamed.failed, streamed.unattributed = None, True
         return streamed
 
     async def _frame(self, reader: "_Reader", samples: int, deadline_s: float, forked: bool = False) -> ChunkResult:
@@ -719,20 +680,6 @@ class FunctionPool:
             parts += [fixed, await reader.exactly(codec.sample_error_length(fixed), deadline_s)]
         parts.append(await reader.exactly(log_length, deadline_s))
         return codec.decode_result(b"".join(parts), samples, self.config.max_log_bytes, forked)
-
-    @staticmethod
-    async def _marker(reader: "_Reader", deadline_s: float) -> tuple[int, str]:
-        index, length = reuse.parse_marker_head(await reader.exactly(reuse.MARKER_HEAD, deadline_s))
-        reason = (await reader.exactly(length, deadline_s)).decode("ascii", "replace")
-        return index, reason
-
-    def _note_taint(self, reason: str) -> None:
-        """Logs, once per kind, why this reward's processes are not reused (what to change to make them so)."""
-        kind = reason.split(" ", 1)[0]
-        if self.config.isolation == "sample" and kind not in self._taints_logged and len(self._taints_logged) < 32:
-            self._taints_logged.add(kind)
-            log.info("reward %s: a sample's process is not reused after %r (isolation: sample); later samples run "
-                     "in fresh processes", self.name, reason[:200])
 
     async def _exchange(self, ours: socket.socket, request: int, batch: SampleBatch, timeout_s: float,
                         state: Optional[dict]):
@@ -752,32 +699,21 @@ class FunctionPool:
         except codec.MalformedResult as e:
             return None, Outcome.failed(Status.INVALID, f"malformed answer from the worker: {e}")
 
-    def _forking(self) -> bool:
-        """Whether samples run forked now (:mod:`.forked`): for a pool's first FORKED_SAMPLES samples, and as many
-        after one tainted its process (a sync reward's, isolation: sample), where slot processes can fork. Then a
-        request runs in the process itself again, so a reward whose samples do not taint (or tainted only once: an
-        import on its first call) is soon served at worker speed."""
-        return self._fork_left > 0 and self._can_fork and self.config.isolation == "sample" and \
-            not self.info.is_async
-
-    def _forks(self, samples: int) -> bool:
-        """Whether a streamed request of ``samples`` runs forked; counts them against FORKED_SAMPLES."""
-        if not self._forking():
-            return False
-        self._fork_left -= samples
-        return True
+    def _forks(self) -> bool:
+        """Whether streamed requests run forked (:mod:`.forked`): isolation: sample, where the template's slot
+        processes fork (it said so when it loaded the function)."""
+        return self.config.isolation == "sample" and self.info.forks
 
     async def _begin(self, ours: socket.socket, request: int, batch: SampleBatch, timeout_s: float,
-                     state: Optional[dict], fork: bool = False) -> Optional[Outcome]:
-        """Writes the request (``fork``: its units each in a child of the slot process) and waits for the worker's
-        start byte. Returns None once it started, else the crash the samples share (its process died first).
+                     state: Optional[dict]) -> Optional[Outcome]:
+        """Writes the request and waits for the worker's start byte. Returns None once it started, else the crash the samples share (its process died first).
 
         Raises:
             PoolUnavailable: the template is gone.
         """
         ours.setblocking(False)
         try:
-            await asyncio.get_running_loop().sock_sendall(ours, codec.encode_request(batch, timeout_s, state, fork))
+            await asyncio.get_running_loop().sock_sendall(ours, codec.encode_request(batch, timeout_s, state))
             ours.shutdown(socket.SHUT_WR)
         except OSError:  # its process died while the request was written (the memory guard killed it: red team)
             if self.dead is not None:

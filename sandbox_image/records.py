@@ -24,7 +24,7 @@ class WorkerConfig:
     source: str
     function: str
     style: str  # "sample" | "batch"
-    isolation: str  # "sample": processes reused while clean (.reuse) | "process": a fresh one per sample | "worker"
+    isolation: str  # "sample": each unit forked from a clean slot process | "process": a fresh one per unit | "worker"
     workers: int  # samples (sync) or requests (worker isolation) running at once
     concurrency: int  # async functions: samples in flight per process
     max_log_bytes: int
@@ -90,6 +90,7 @@ class FunctionInfo:
     accepts_var_keywords: bool = False
     signature: str = ""
     required_keywords: tuple = ()  # batch style: parameters without a default that must be dataset columns
+    forks: bool = False  # isolation: sample: its slot processes run each unit in a child (.forked)
 
 
 @dataclass

@@ -17,9 +17,11 @@ code of ours):
    where the container allows it;
 6. cwd, HOME and TMPDIR are the scratch directory (``/tmp`` where it is mounted there).
 
-Then it sends the template one byte (ready) and waits for request sockets. ``isolation: sample``: it serves one
-request and exits, so every sample (a whole call, for batch style) starts from the module's state after import.
-``isolation: worker``: it serves requests for its whole life, with one event loop for async functions.
+Then it sends the template one byte (ready) and waits for request sockets. ``isolation: sample``: it runs each
+unit (a sample; a whole call, for batch style) in a child of its own (:mod:`.forked`) and runs no reward code on
+data itself, so every unit starts from the module's state after import; where it cannot fork (gVisor, the local
+backend), and under ``isolation: process``, it scores one unit itself and exits. ``isolation: worker``: it serves
+requests for its whole life, with one event loop for async functions.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..wire import Outcome, Status, trainer_state_from_dict
-from . import codec, cpu_wait, execution, forked, private_tmp, processes, reuse, run_requests, seccomp, sockets, worker
+from . import codec, cpu_wait, execution, forked, private_tmp, processes, run_requests, seccomp, sockets, worker
 from .channel import ChannelClosed, optional_fd, recv
 from .processes import die_with_parent, empty, kill_uid, remove_ipc
 
@@ -252,150 +254,114 @@ def _handle(loaded: worker.Loaded, fd: int) -> None:
     _answer(loaded, sock, result)
 
 
-_RETIRING_ERRORS = ("MemoryError", "RecursionError")
-
-
-def _retire_reason(outcomes: list, reusable: bool) -> Optional[str]:
-    """Why this process must not serve another sample, from how a unit ended, although nothing tainted it (None: it
-    may; what the unit changed is checked when its answer is sent: :func:`reuse.flush`)."""
-    if not reusable:
-        return "isolation: process"
-    for o in outcomes:
-        if o.status is Status.TIMEOUT:
-            return "a call was interrupted at its timeout"
-        if o.status is Status.ERROR and o.error and o.error.rstrip().rsplit("\n", 1)[-1].startswith(_RETIRING_ERRORS):
-            return "a call ran out of memory or recursion depth"
-    return None
-
-
-FLUSH_S = 0.002  # answers of clean samples are sent together, at least this often (and before any taint's marker)
-_scored_here = 0  # units this process scored itself (not in children): their text may linger in its freed memory
+def forks(mode: str, slot: SlotSpec) -> bool:
+    """Whether a slot process of ``mode`` runs each unit in a child of its own (:mod:`.forked`): ``isolation:
+    sample`` where ``kill(-1)`` reaches only the slot's uid (not the local backend's) and all of it at once (not
+    gVisor). Elsewhere ``sample`` is ``process``: each unit in a slot process of its own."""
+    return mode == "sample" and slot.uid is not None and slot.atomic_kill
 
 
 def _units(loaded: worker.Loaded, request: codec.Request) -> list:
-    """What is scored, answered and judged for reuse one at a time, as the indices of its samples: each sample
-    alone, or all of them (batch style: the whole call)."""
+    """What is scored and answered as one, as the indices of its samples: each sample alone, or all of them (batch
+    style: the whole call)."""
     n = len(request)
     return [range(n)] if loaded.config.style == "batch" else [range(k, k + 1) for k in range(n)]
 
 
-async def _score_unit(loaded: worker.Loaded, samples, timeout_s: float, state) -> tuple:
-    """(outcomes, logs, dropped characters) of one unit's ``samples``. Never raises."""
-    if not loaded.info.is_async:
-        return _score_unit_sync(loaded, samples, timeout_s, state)
+def _score_unit(loaded: worker.Loaded, samples, timeout_s: Optional[float], state) -> tuple:
+    """(outcomes, logs, dropped characters) of one unit's ``samples``; an async function's on an event loop of its
+    own. ``timeout_s`` None: no timer (a forked child, which its slot process ends at the deadline). Never raises."""
     try:
-        return await worker.score_async(loaded, samples, timeout_s, state)
-    except BaseException:  # noqa: BLE001 - reported as these samples' error, not as a crash
-        return _internal_error(len(samples))
+        if loaded.info.is_async:
+            import asyncio  # preloaded by the template of an async function (see worker)
 
-
-def _score_unit_sync(loaded: worker.Loaded, samples, timeout_s: Optional[float], state) -> tuple:
-    """:func:`_score_unit` of a sync function, without a coroutine (one a sample: a regex reward's 1,024 samples
-    spent a tenth of their time making and running them)."""
-    try:
+            return asyncio.run(worker.score_async(loaded, samples, timeout_s, state))
         if loaded.config.style == "batch":
             return worker.score(loaded, samples, timeout_s, state)
+        # a sample-style unit without a one-sample batch or a coroutine: a regex reward's samples spent a tenth of
+        # their time making and running them
         outcome, logs, dropped = worker.score_sample(loaded, samples, 0, timeout_s, state)
         return [outcome], logs, dropped
     except BaseException:  # noqa: BLE001 - reported as these samples' error, not as a crash
         return _internal_error(len(samples))
 
 
-async def _score_units(loaded: worker.Loaded, sock: socket.socket, request: codec.Request, reusable: bool,
-                       forker: Optional[forked.Forker] = None) -> bool:
-    """Scores the units of a streamed request in order (with a ``forker``, each in a child: :mod:`.forked`; a sync
-    reward's only, each answer sent from the child's mapping before the next child starts). Otherwise each answer is
-    queued and sent at least every FLUSH_S, and always before the marker of a taint (the audit hook sends them:
-    :mod:`.reuse`), so what a clean unit answered is out of this process before any code from data runs in it; the
-    state check runs before each sending. Returns whether this process may serve another request."""
-    global _scored_here
+def _trainer_state(request: codec.Request) -> Any:
     try:
-        trainer_state = trainer_state_from_dict(request.trainer_state)
-    except BaseException:  # noqa: BLE001
-        trainer_state = None
+        return trainer_state_from_dict(request.trainer_state)
+    except BaseException:  # noqa: BLE001 - a state this version cannot convert: the reward gets None
+        return None
+
+
+def _score_forked(loaded: worker.Loaded, sock: socket.socket, request: codec.Request, forker: forked.Forker) -> bool:
+    """Scores the units of a request in order, each in a child of this process (:mod:`.forked`), which runs no
+    reward code on data itself: every unit starts from the state the template left after the import, whatever the
+    ones before it did. Each answer is sent from the child's mapping before the next child starts: whatever stalls
+    or ends this process then (a child may signal it) is the fault of the first unit the server has no answer for.
+    Returns whether this process may serve another request."""
+    trainer_state = _trainer_state(request)
     timeout_s, max_log_bytes = request.timeout_s, loaded.config.max_log_bytes
-    flushed = time.monotonic()
-    retire = None
     try:
-        if forker is not None:
-            if _scored_here:  # its children would inherit what those units left in its memory
-                sock.sendall(codec.RETIRING)
-                return False
-            sock.sendall(codec.FORKING)
-            forker.arm()
+        sock.sendall(codec.FORKING)
+        forker.arm()
         for k, indices in enumerate(_units(loaded, request)):
-            if forker is not None:
-                def score(indices=indices) -> bytes:  # in the child
-                    samples = request.take(indices)
-                    request.close()  # the other samples' text leaves the child before the reward sees its own
-                    started = time.perf_counter()
-                    # No timer of its own (its process's three system calls): forked.Forker ends it at the deadline
-                    outcomes, logs, dropped = _score_unit_sync(loaded, samples, None, trainer_state)  # sync only
-                    return codec.encode_result(outcomes, logs, dropped, max_log_bytes, time.perf_counter() - started)
+            def score(indices=indices) -> bytes:  # in the child
+                samples = request.take(indices)
+                request.close()  # the other samples' text leaves the child before the reward sees its own
+                started = time.perf_counter()
+                # No timer of its own (its process's three system calls): forked.Forker ends it at the deadline
+                outcomes, logs, dropped = _score_unit(loaded, samples, None, trainer_state)
+                return codec.encode_result(outcomes, logs, dropped, max_log_bytes, time.perf_counter() - started)
 
-                def send(answer, retire: Optional[str], k: int = k) -> None:
-                    forked.send_with_trailer(sock, answer, reuse.marker(k, retire) if retire else reuse.CLEAN)
+            def send(answer, retire: Optional[str], k: int = k) -> None:
+                forked.send_with_trailer(sock, answer, codec.retire_marker(k, retire) if retire else codec.CLEAN)
 
-                # Each answer is sent before the next child starts: whatever stalls or ends this process then (a
-                # child may signal it) is the fault of the first unit the server has no answer for.
-                def waited(ms: int) -> None:
-                    sock.sendall(codec.waited(ms))
+            def waited(ms: int) -> None:
+                sock.sendall(codec.waited(ms))
 
-                retire = forker.run(score, len(indices), timeout_s, max_log_bytes, sock.fileno(),
-                                    execution.attach_child, send, waited)
-                if retire:
-                    break
-                continue
-            samples = request.take(indices)
-            # a taint unmaps the request before its code runs; after another unit here, it withdraws this one
-            reuse.begin(sock.fileno(), k, request.close, fresh=not _scored_here)
-            _scored_here += 1
-            started = time.perf_counter()
-            try:
-                outcomes, logs, dropped = await _score_unit(loaded, samples, timeout_s, trainer_state) \
-                    if loaded.info.is_async else _score_unit_sync(loaded, samples, timeout_s, trainer_state)
-            finally:
-                tainted = reuse.end()
-            if reuse.withdrawn_unit():  # the server scores it elsewhere and reads nothing more of this request
+            if forker.run(score, len(indices), timeout_s, max_log_bytes, sock.fileno(), execution.attach_child,
+                          send, waited):
                 return False
-            answer = codec.encode_result(outcomes, logs, dropped, max_log_bytes, time.perf_counter() - started)
-            retire = tainted or _retire_reason(outcomes, reusable)
-            reuse.queue(k, answer, reuse.marker(k, retire) if retire else reuse.CLEAN)
-            if retire:
-                break
-            if time.monotonic() - flushed >= FLUSH_S:
-                if reuse.flush() is not None:
-                    return False
-                flushed = time.monotonic()
-        return reuse.flush() is None and retire is None
+        return True
     except OSError:
         return False  # the server gave up on this request (its deadline passed)
     finally:
-        if forker is not None:
-            forker.disarm()
+        forker.disarm()
 
 
-def _handle_stream(loaded: worker.Loaded, fd: int, reusable: bool, forker: Optional[forked.Forker] = None) -> bool:
-    """isolation: sample (``reusable``) and process: a streamed answer, unit by unit (:mod:`.codec`); with a
-    ``forker``, the server may ask for each unit to run in a child (a sync reward's). Returns whether this process
-    may serve another request."""
+def _score_alone(loaded: worker.Loaded, sock: socket.socket, request: codec.Request) -> None:
+    """Scores the request's first unit (the server sends one) in this process, which serves no other request: the
+    answer alone, nothing after it."""
+    cpu_wait.begin_request()
+    trainer_state = _trainer_state(request)
+    timeout_s, max_log_bytes = request.timeout_s, loaded.config.max_log_bytes
+    samples = request.take(_units(loaded, request)[0])
+    request.close()  # any other sample's text leaves this process before the reward sees its own
+    started = time.perf_counter()
+    outcomes, logs, dropped = _score_unit(loaded, samples, timeout_s, trainer_state)
+    try:
+        sock.sendall(codec.encode_result(outcomes, logs, dropped, max_log_bytes, time.perf_counter() - started))
+    except OSError:
+        pass  # the server gave up on this request (its deadline passed)
+
+
+def _handle_stream(loaded: worker.Loaded, fd: int, forker: Optional[forked.Forker] = None) -> bool:
+    """isolation: sample and process: a streamed answer (:mod:`.codec`), each unit in a child with a ``forker``,
+    else the request's one unit in this process. Returns whether this process may serve another request."""
     sock = socket.socket(fileno=fd)
     sock.setblocking(True)
     try:
         sock.sendall(codec.STARTED)
         request = _receive_blocking(sock)
-        fork = request.fork and forker is not None and not loaded.info.is_async
-        if not fork:
-            cpu_wait.begin_request()
         try:
-            units = _score_units(loaded, sock, request, reusable, forker if fork else None)
-            if not loaded.info.is_async:
-                return _run_coroutine(units)
-            import asyncio  # preloaded by the template of an async function (see worker)
-
-            return asyncio.run(units)
+            if forker is not None:
+                return _score_forked(loaded, sock, request, forker)
+            _score_alone(loaded, sock, request)
+            return False
         finally:
             request.close()
+    except OSError:
+        return False
     finally:
         sock.close()
 
@@ -458,17 +424,14 @@ async def _serve_async(loaded: worker.Loaded, control: socket.socket) -> None:
 def serve(loaded: worker.Loaded, control: socket.socket, mode: str, mark: int,
           forker: Optional[forked.Forker] = None) -> None:
     """Serves request sockets sent over ``control`` (``mode`` is the isolation level): ``worker``, until the
-    template goes away; ``sample``, until a request leaves this process unfit for another (:mod:`.reuse`; a
-    ``forker`` runs the units of requests the server marks in children: :mod:`.forked`); ``process``, one
-    request."""
+    template goes away; ``sample`` with a ``forker``, each unit in a child (:mod:`.forked`), until a unit leaves
+    something no cleanup removes; otherwise (``process``, ``sample`` where slot processes cannot fork) one request."""
     control.sendall(READY + _MARK.pack(mark))
     if mode == "worker" and loaded.info.is_async:
         import asyncio  # preloaded by the template of an async function (see worker)
 
         asyncio.run(_serve_async(loaded, control))
         return
-    if mode == "sample":
-        reuse.watch_state(reuse.StateCheck(loaded.fn))
     while True:
         try:
             _, fds = recv(control)
@@ -480,9 +443,9 @@ def serve(loaded: worker.Loaded, control: socket.socket, mode: str, mark: int,
         if mode == "worker":
             _handle(loaded, fd)
             continue
-        if mode == "process":
-            control.close()  # reward code never holds a channel to the template
-        if not _handle_stream(loaded, fd, mode == "sample", forker) or mode == "process":
+        if forker is None:
+            control.close()  # reward code runs in this process: it never holds a channel to the template
+        if not _handle_stream(loaded, fd, forker):
             return
 
 
@@ -493,8 +456,6 @@ def run(loaded: worker.Loaded, slot: SlotSpec, control: socket.socket, mode: str
     try:
         try:
             mark = prepare(slot, control.fileno(), None if run_channel is None else run_channel.detach())
-            if mode == "sample":
-                reuse.install()
         except BaseException as e:  # noqa: BLE001 - still trusted code here: tell the template why
             code = 70
             reason = f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:MAX_REASON]
@@ -504,8 +465,7 @@ def run(loaded: worker.Loaded, slot: SlotSpec, control: socket.socket, mode: str
                 pass
             return
         forker = None
-        # kill(-1) must reach only the slot's uid (not the local backend's), and all of it at once (not gVisor)
-        if mode == "sample" and slot.uid is not None and slot.atomic_kill:
+        if forks(mode, slot):
             forker = forked.Forker(close=(control.fileno(),), runner=execution.attached_socket(),
                                    scratch=private_tmp.home(slot.private_tmp, slot.directory),
                                    unix_sockets=sockets.UnixSockets(slot.uid))

@@ -4,7 +4,7 @@ The supervisor forks it (docker backend: as root holding SETUID, SETGID and KILL
 It talks only to the server, over a control socket (:mod:`.channel`):
 
 - server -> template: ``run`` (with the request's socket), ``done`` (the server read a request's answer; with
-  ``retire``, the process that served it is killed: :mod:`.reuse`),
+  ``retire``, the process that served it is killed: a forked slot process that could not clean up after a unit),
   ``kill`` (a request ran past its deadline), ``close``;
 - template -> server: ``loaded`` (the function's signature info) or ``load_error`` once, then ``exited`` for each
   slot process that ended while it held requests (with its exit status), and ``slot_failed`` when a slot cannot
@@ -60,8 +60,12 @@ class _Slot:
 class Template:
     def __init__(self, config: WorkerConfig, slot_specs: list[slots.SlotSpec], server: socket.socket):
         self.config = config
-        self.mode = config.isolation  # worker | sample (reused while clean, see .reuse) | process
+        self.mode = config.isolation  # worker | sample (each unit in a child of a slot process) | process
         self.slots = [_Slot(spec) for spec in slot_specs]
+        # Whether its slot processes run each unit in a child (.forked); if not, and not under isolation: worker, a
+        # slot process serves one request, of one unit, and is never given another (whatever the server says).
+        self.forks = bool(self.slots) and all(slots.forks(self.mode, s.spec) for s in self.slots)
+        self.one_request = self.mode != "worker" and not self.forks
         self.server = server
         self.queue: collections.deque = collections.deque()  # (request id, fd)
         self.selector = selectors.DefaultSelector()
@@ -100,7 +104,7 @@ class Template:
         send(self.server, {"op": "loaded", "info": {
             "is_async": info.is_async, "accepted_keywords": list(info.accepted_keywords),
             "accepts_var_keywords": info.accepts_var_keywords, "signature": info.signature,
-            "required_keywords": list(info.required_keywords)}})
+            "required_keywords": list(info.required_keywords)}, "forks": self.forks})
         if info.is_async:
             import asyncio  # noqa: F401 - here, once, for every slot process (sync rewards never load it)
         if any(s.spec.uid is not None for s in self.slots):
@@ -309,7 +313,7 @@ class Template:
                 continue
             os.close(fd)
             s.requests.add(request)
-            if self.mode == "process":
+            if self.one_request:
                 s.ready = False
 
 

@@ -31,11 +31,11 @@ from typing import Any, Callable, Optional
 
 from ..wire import (BATCH_KEYWORDS, OPTIONAL_KEYWORDS, TRAINER_OBJECTS, Outcome, Status, TrainerState,
                     decode_columns, example_of)
-from . import cpu_wait, reuse
+from . import cpu_wait
 from .records import FunctionInfo, SampleBatch, WorkerConfig
 
 MAX_ERROR_CHARS = 4000
-# The sandbox's own uses, bound before a slot process wraps these to report a sample's own uses (:mod:`.reuse`).
+# The sandbox's own uses, bound at import: a reward that replaces signal's functions does not change its timer.
 _signal_handler, _setitimer, _getsignal = _signal.signal, _signal.setitimer, _signal.getsignal
 
 
@@ -255,8 +255,7 @@ def _error(exc: BaseException) -> Outcome:
     try:
         if isinstance(exc, SystemExit):
             return Outcome.failed(Status.ERROR, f"SystemExit({_shown(exc.code)}) raised by the reward function")
-        with reuse.paused():  # formatting compiles the source lines it shows: our work, not the sample's
-            text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     except BaseException:  # noqa: BLE001 - an exception whose str() or traceback raises
         text = f"{type(exc).__name__} (its message could not be formatted)"
     return Outcome.failed(Status.ERROR, text[-MAX_ERROR_CHARS:])

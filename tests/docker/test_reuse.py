@@ -1,6 +1,8 @@
-"""isolation: sample at real batch sizes, in real containers (runc and gVisor): a process is reused only while
-nothing happened in it that could leave state behind (sandbox_image/reuse.py), and what a finished sample leaves
-(processes, files, inodes, memory a helper holds for it) is gone before it can reach a later sample of the batch.
+"""isolation: sample at real batch sizes, in real containers (runc and gVisor): no process that scored a sample scores
+another (sandbox_image/forked.py: each in a child of a slot process that runs no reward code; under gVisor, a slot
+process of its own), and what a finished sample leaves (processes, files, inodes, memory a helper holds for it) is
+gone before it can reach a later sample of the batch. Reward state that no event reports (caches, decimal contexts,
+parser objects, library globals) is tests/docker/test_steady_state.py's.
 
 Each test asserts the innocent samples' exact values and statuses, not only the guilty ones'.
 """
@@ -127,27 +129,20 @@ def score(sandboxes, name, completions):
     return asyncio.run(sandboxes[name].client.score(build_samples(["p"] * len(completions), completions, {})))
 
 
-def test_a_pure_reward_reuses_its_processes_and_scores_as_worker_isolation_does(sandboxes):
+def test_no_process_scores_two_samples_of_a_pure_reward_and_it_scores_as_worker_isolation_does(sandboxes):
     completions = [f"<think>{i}</think><answer>{i}</answer>" if i % 3 else "no answer" for i in range(512)]
-    # A pool's first samples run forked (pools.FORKED_SAMPLES: nothing says yet that they run no code), each in a
-    # process of its own; then a request runs in the slot process itself, and as none taints, they all do.
-    first = score(sandboxes, "pid", completions)
-    assert first.statuses == [Status.OK] * 512
-    first_pids = {v for v in first.values[:256] if v != -1.0}
-    if sandboxes.runtime == "runc":
-        assert len(first_pids) == sum(1 for i in range(256) if i % 3)
-    else:  # gVisor: slot processes never fork samples (no atomic kill(-1)); they serve them from the first
-        assert len(first_pids) <= 4, first_pids
-    reused = score(sandboxes, "pid", completions)
-    assert reused.statuses == [Status.OK] * 512
-    pids = {v for v in reused.values if v != -1.0}
-    assert [v == -1.0 for v in reused.values] == [i % 3 == 0 for i in range(512)]
-    assert len(pids) <= 4, pids  # two requests at a time, each on one process: no process per sample
+    answered = sum(1 for i in range(512) if i % 3)
+    for _ in range(2):  # a pool's first samples and the samples after them alike
+        report = score(sandboxes, "pid", completions)
+        assert report.statuses == [Status.OK] * 512
+        assert [v == -1.0 for v in report.values] == [i % 3 == 0 for i in range(512)]
+        assert len({v for v in report.values if v != -1.0}) == answered  # a process of its own each
     fresh = score(sandboxes, "pid_fresh", completions[:64])
     assert fresh.statuses == [Status.OK] * 64
     assert len({v for v in fresh.values if v != -1.0}) == sum(1 for i in range(64) if i % 3)  # one each
     worker = score(sandboxes, "pid_worker", completions)
-    assert [v == -1.0 for v in worker.values] == [v == -1.0 for v in reused.values]
+    assert [v == -1.0 for v in worker.values] == [v == -1.0 for v in report.values]
+    assert len({v for v in worker.values if v != -1.0}) <= 2  # isolation: worker reuses its processes
 
 
 def test_a_process_in_which_anything_could_leave_state_never_scores_another_sample(sandboxes):
@@ -165,14 +160,13 @@ def test_a_process_in_which_anything_could_leave_state_never_scores_another_samp
             assert not later, (completion, "its process scored later samples", later)
 
 
-def test_answers_forged_after_a_taint_for_the_samples_behind_it_are_never_taken(sandboxes):
+def test_answers_a_sample_forges_for_the_samples_behind_it_are_never_taken(sandboxes):
     forger = textwrap.dedent("""
         import builtins, os, stat
-        from rewardbox.sandbox import codec, reuse
+        from rewardbox.sandbox import codec
         from rewardbox.wire import Outcome, Status
-        reuse._WATCH.tainted = None  # undo what it can of the taint: too late, the marker is on its way
         builtins.poisoned = True
-        forged = b"".join(codec.encode_result([Outcome(99.0, Status.OK)], "", 0, 1000) + reuse.CLEAN
+        forged = b"".join(codec.encode_result([Outcome(99.0, Status.OK)], "", 0, 1000) + codec.CLEAN
                           for _ in range(16))
         for fd in map(int, os.listdir("/proc/self/fd")):
             try:
@@ -717,19 +711,19 @@ def test_descriptor_tables_excuse_none_of_what_no_process_holds(sandboxes):
     assert later.values == [0.5] * 2 and later.statuses == [Status.OK] * 2, later.errors
 
 
-def test_a_reward_whose_samples_taint_runs_each_in_a_child_of_a_slot_process_that_stays(sandboxes):
-    # Under runc, once a sample tainted its process, the reward's samples run forked (sandbox_image/forked.py): each
-    # in a fresh child of a slot process that runs no reward code itself and serves the next sample too.
+def test_each_sample_runs_in_a_child_of_a_slot_process_that_stays(sandboxes):
+    # Under runc, samples run forked (sandbox_image/forked.py): each in a fresh child of a slot process that runs no
+    # reward code itself and serves the next sample too.
     lineage = "import os\nprint(f'lineage {os.getppid()} {os.getpid()}')\nscore = 0.5"
-    score(sandboxes, "run", [lineage] * 8)  # the first samples taint their processes
+    score(sandboxes, "run", [lineage] * 8)
     report = score(sandboxes, "run", [lineage] * 96)
     assert report.values == [0.5] * 96 and report.statuses == [Status.OK] * 96, [e for e in report.errors if e]
     pairs = [tuple(map(int, line.split()[1:])) for line in report.logs.splitlines() if line.startswith("lineage ")]
     assert len(pairs) == 96 and len({child for _, child in pairs}) == 96, pairs  # a fresh process each
     parents = {parent for parent, _ in pairs}
     if sandboxes.runtime == "runc":
-        assert len(parents) <= 24, parents  # a few slot processes (and the samples that probe for reuse) served all
-    else:  # gVisor: a tainted process retires; each sample is a fresh child of the template
+        assert len(parents) <= 2, parents  # the two slots' processes served them all
+    else:  # gVisor: each sample in a slot process of its own, a fresh child of the template
         assert len(parents) <= 2, parents
 
 
@@ -932,10 +926,10 @@ def test_a_sample_that_stops_the_process_that_forked_it_times_out_alone(sandboxe
               "score = 1.0"
     report, elapsed = _innocents_after(sandboxes, [stopper] * 3, "score = 0.5", 0.5, 8)
     stopped = report.count(Status.TIMEOUT)
-    # Only a forked stopper reaches its slot process (a fresh one's parent is the template, another uid's): at most
-    # one per request loop (two) runs before the batch's first taint makes the rest run forked. gVisor never forks.
+    # Only a forked stopper reaches its slot process (under gVisor a sample's process is a slot process, whose
+    # parent is the template, another uid's): under runc every one does.
     assert report.statuses[:3].count(Status.OK) + stopped == 3, report.errors[:3]
-    assert stopped == 0 if sandboxes.runtime == "runsc" else stopped >= 1, report.errors[:3]
+    assert stopped == (0 if sandboxes.runtime == "runsc" else 3), report.errors[:3]
     assert report.workers_replaced <= stopped, report.workers_replaced
     assert elapsed < 3 * (TIMEOUT_S + 1) + 10, elapsed  # each stopper's own timeout, at worst one after another
 
@@ -963,8 +957,8 @@ SCANNER = textwrap.dedent("""
 
 def test_no_sample_finds_the_text_of_its_requests_other_samples_in_its_memory(sandboxes):
     # A request's samples reach a slot process in one memory mapping (codec.Request), decoded one sample at a time;
-    # a forked child unmaps it before its sample runs, and a process a sample tainted before that sample's code
-    # runs. So code from a completion finds no other completion of its request to copy: not up the stack, not
+    # the process that scores a unit (a forked child, or a slot process of its own) unmaps it before the unit runs.
+    # So code from a completion finds no other completion of its request to copy: not up the stack, not
     # anywhere in its process's memory. It used to find the rest of its request (the red team of #18).
     innocents = [f"score = 0.5  # SECRET-{i}" for i in range(12)]
     report = score(sandboxes, "run", [SCANNER] + innocents[:6] + [SCANNER] + innocents[6:])
@@ -986,10 +980,9 @@ def test_no_sample_finds_what_earlier_samples_of_its_slot_printed_or_raised_in_i
 
 
 def test_code_from_a_completion_never_runs_where_other_samples_were_scored(sandboxes):
-    # A reward that runs code only sometimes scores its other samples in processes it reuses, whose freed memory
-    # may still hold their text. A sample that then runs code there is withdrawn before its code runs (the event
-    # is refused) and scored again in a process that scored no other, or forked by one (a used slot process does
-    # not fork: it retires). So the scanners find nothing, and every sample is still scored exactly once.
+    # A reward that runs code only sometimes: its other samples' text must not linger where the code runs. No
+    # process scores two samples, and a slot process runs no reward code: the scanners find nothing, and every
+    # sample is scored exactly once.
     clean = [f"<answer>1</answer> SECRET-{i} " + "x" * (600 + 97 * i) for i in range(24)]  # sizes malloc keeps apart
     scanner = "code:" + SCANNER
     report = score(sandboxes, "mixed", clean[:12] + [scanner] + clean[12:] + [scanner])
