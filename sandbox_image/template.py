@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from . import runner as runner_module
-from . import private_tmp, processes, seccomp, slot as slots
+from . import private_memory, private_tmp, processes, seccomp, slot as slots
 from . import worker
 from .channel import ChannelClosed, optional_fd, pair, recv, send
 from .program import RunSlot
@@ -100,6 +100,13 @@ class Template:
         except worker.LoadError as e:
             send(self.server, {"op": "load_error", "message": str(e)})
             return
+        if self.mode != "worker":
+            try:  # before anything is forked: no sample may share pages with another (see private_memory)
+                private_memory.make_private()
+            except private_memory.SharedMappingError as e:
+                send(self.server, {"op": "load_error", "message": f"{self.config.filename}: {e}; use isolation: "
+                                   "worker for a reward that must share memory between its processes"})
+                return
         info = self.loaded.info
         send(self.server, {"op": "loaded", "info": {
             "is_async": info.is_async, "accepted_keywords": list(info.accepted_keywords),

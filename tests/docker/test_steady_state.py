@@ -1,7 +1,7 @@
 """isolation: sample in steady state: after hundreds of samples per pool, a hostile completion changes no other
 sample's score through state the reward itself keeps, of the kinds no audit event or state snapshot reports (a
 decimal context's sticky flags, an lru_cache's keys, a parser object's buffer, a module global a YAML gadget sets,
-a dict the reward module holds). Real containers, runc and gVisor.
+a dict the reward module holds, a page of shared memory it mapped at import). Real containers, runc and gVisor.
 
 Each case: 5 x 64 neutral samples first (past any warm-up a pool could have), then ``[hostile] + [innocent] * 7`` in
 one call and ``[innocent] * 4`` in the next; every innocent must score exactly what it scores alone. These broke
@@ -23,6 +23,7 @@ import decimal
 import functools
 import json
 import math
+import mmap
 import sys
 from html.parser import HTMLParser
 
@@ -89,6 +90,14 @@ def yaml_depth(prompt, completion, example):
 
 
 WEIGHTS = {"correct": 1.0}
+SHARED = mmap.mmap(-1, 4096)  # MAP_SHARED: every process forked from the template would write the same page
+
+
+def shared(prompt, completion, example):
+    """Runs the completion; its module keeps a page of shared memory."""
+    namespace = {}
+    exec(completion, namespace)
+    return 0.0 if SHARED[0] else float(namespace.get("score", 0.0))
 
 
 def weighted(prompt, completion, example):
@@ -105,6 +114,8 @@ CASES = {
                   "", 1.0),
     "yaml_depth": ("a: !!python/object/apply:sys.setrecursionlimit [60]", "[" * 40 + "1" + "]" * 40, "", 40.0),
     "weighted": ('W.__setitem__("correct", 0.0) or 1', 'W["correct"]', "", 1.0),
+    "shared": ("import sys\nnext(m for m in list(sys.modules.values()) if hasattr(m, 'SHARED')).SHARED[0] = 1\n"
+               "score = 1.0", "score = 1.0", "", 1.0),
 }
 
 

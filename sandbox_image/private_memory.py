@@ -1,0 +1,101 @@
+"""Shared memory a reward's import left behind becomes private before any sample runs.
+
+A mapping made ``MAP_SHARED`` (``mmap.mmap(-1, n)`` at a module's top level, a library's shared buffer) stays shared
+across ``fork``: every slot process and every sample's child forked from the template would write into the same
+pages, and one sample could change what later or concurrent samples read there. A fresh process per sample gives
+fresh state only if nothing it inherits is shared. So once the reward is imported, and before the template forks
+anything, each shared mapping of the template is replaced, at the same address and with the same protection, by a
+private copy of its contents (a private anonymous mapping moved there with ``mremap``): each fork then gets its own
+copy-on-write pages, as for any other memory. The reward's objects (an ``mmap`` object, a pointer a C library
+keeps) still see the same addresses and contents.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+PROT_READ, PROT_WRITE, PROT_EXEC = 1, 2, 4
+_MAP_PRIVATE, _MAP_ANONYMOUS = 0x02, 0x20
+_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
+_FAILED = (1 << 64) - 1  # MAP_FAILED as ctypes returns a c_void_p
+
+
+class SharedMappingError(RuntimeError):
+    """A shared mapping could not be made private (the reward's module cannot be scored with fresh state)."""
+
+
+def _on_read_only_filesystem(path: str) -> bool:
+    try:
+        return bool(path.startswith("/") and os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def shared_mappings(maps: str = "/proc/self/maps") -> Iterator[tuple[int, int, int, str]]:
+    """(start, end, protection, what backs it) of each shared mapping in ``maps`` that a process could write to:
+    not one of a read-only file on a read-only file system (glibc's gconv cache: no process can make it writable,
+    as that needs the file open for writing)."""
+    with open(maps) as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            perms = fields[1]
+            if perms[3] != "s":
+                continue
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            prot = (PROT_READ if perms[0] == "r" else 0) | (PROT_WRITE if perms[1] == "w" else 0) | \
+                (PROT_EXEC if perms[2] == "x" else 0)
+            backing = fields[5].strip() if len(fields) > 5 else ""
+            if not prot & PROT_WRITE and _on_read_only_filesystem(backing):
+                continue
+            yield start, end, prot, backing
+
+
+def _libc():
+    import ctypes  # only where a shared mapping is found: every fork of the template would carry it
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mremap.restype = ctypes.c_void_p
+    libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+def _check(ok: bool, what: str, backing: str) -> None:
+    if not ok:
+        import ctypes
+
+        errno = ctypes.get_errno()
+        raise SharedMappingError(f"the reward's import left a shared memory mapping ({backing or 'anonymous'}) that "
+                                 f"could not be made private: {what}: {os.strerror(errno)}")
+
+
+def make_private() -> int:
+    """Replaces every shared mapping of this process by a private copy (see the module docstring). Returns how many
+    it replaced.
+
+    Raises:
+        SharedMappingError: one could not be read or replaced.
+    """
+    found = list(shared_mappings())
+    if not found:
+        return 0
+    import ctypes
+
+    libc = _libc()
+    for start, end, prot, backing in found:
+        length = end - start
+        if not prot & PROT_READ:
+            _check(libc.mprotect(start, length, prot | PROT_READ) == 0, "mprotect", backing)
+        copy = libc.mmap(None, length, PROT_READ | PROT_WRITE, _MAP_PRIVATE | _MAP_ANONYMOUS, -1, 0)
+        _check(copy not in (None, _FAILED), "mmap", backing)
+        ctypes.memmove(copy, start, length)
+        moved = libc.mremap(copy, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, start)
+        if moved != start:
+            libc.munmap(copy, length)
+            _check(False, "mremap", backing)
+        _check(libc.mprotect(start, length, prot) == 0, "mprotect", backing)
+    return len(found)

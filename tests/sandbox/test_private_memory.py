@@ -1,0 +1,64 @@
+"""Shared mappings a reward's import left become private copies before the template forks (sandbox_image/
+private_memory.py): what one fork writes there no other fork sees. In containers: tests/docker/test_steady_state.py."""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+from rewardbox.sandbox import private_memory
+
+
+def _written_in_a_child(view: mmap.mmap) -> None:
+    pid = os.fork()
+    if pid == 0:
+        view[:5] = b"child"
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+
+
+def test_a_shared_mapping_becomes_private_with_its_contents_and_address():
+    shared = mmap.mmap(-1, 3 * mmap.PAGESIZE)
+    shared[:6] = b"parent"
+    shared[-4:] = b"tail"
+    _written_in_a_child(shared)
+    assert shared[:5] == b"child"  # shared: the child's write reached this process
+    shared[:6] = b"parent"
+    assert private_memory.make_private() >= 1
+    assert not list(private_memory.shared_mappings())
+    assert shared[:6] == b"parent" and shared[-4:] == b"tail"
+    _written_in_a_child(shared)
+    assert shared[:6] == b"parent"  # private now: the child wrote its own copy
+    shared[:6] = b"writes"
+    assert shared[:6] == b"writes"
+    shared.close()
+
+
+def _perms(start: int) -> str:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            bounds, perms = line.split()[:2]
+            if int(bounds.split("-")[0], 16) == start:
+                return perms
+    raise AssertionError(f"no mapping starts at {start:#x}")
+
+
+def test_a_read_only_shared_mapping_keeps_its_protection_and_contents():
+    source = mmap.mmap(-1, mmap.PAGESIZE)
+    source[:4] = b"data"
+    private_memory.make_private()  # source is private from here on
+    read_only = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ)
+    before = {start for start, _, prot, _ in private_memory.shared_mappings() if prot == private_memory.PROT_READ}
+    assert len(before) == 1
+    (start,) = before
+    assert _perms(start) == "r--s"
+    private_memory.make_private()
+    assert _perms(start) == "r--p"
+    assert read_only[:4] == bytes(4)
+    source.close()
+    read_only.close()
+
+
+def test_nothing_to_do_without_shared_mappings():
+    private_memory.make_private()
+    assert private_memory.make_private() == 0
