@@ -33,9 +33,14 @@ STATUS_STYLE = {"ok": "green", "error": "red", "timeout": "yellow", "crash": "ma
                 "unavailable": "bright_black"}
 
 
+QUIET_LOGGERS = ("httpx", "httpcore", "openai._base_client")
+
+
 def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(message)s",
                         handlers=[RichHandler(console=console, show_path=False, show_time=False)], force=True)
+    for name in QUIET_LOGGERS:  # a line per HTTP request (an LLM judge's, the bench's) would bury the run's output
+        logging.getLogger(name).setLevel(logging.NOTSET if verbose else logging.WARNING)
 
 
 def _sigterm_as_interrupt() -> None:

@@ -57,7 +57,7 @@ class BuildSettings(Protocol):
 log = logging.getLogger("rewardbox")
 
 IMAGE_REPO = "rewardbox-sandbox"
-SERVER_DISTRIBUTIONS = ("grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "pebble")
+SERVER_DISTRIBUTIONS = ("grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf")
 # What of rewardbox goes into the image: the sandbox and the wire module, found (not imported) where installed.
 IMAGE_PACKAGES = ("rewardbox.sandbox", "rewardbox.wire")
 # The image's rewardbox/__init__.py: the host's own would name host modules the image does not have.

@@ -3,7 +3,7 @@
 The gRPC server (:mod:`.server`) that loads reward functions and scores samples in worker processes
 (:mod:`.pools`, :mod:`.worker`), and the Dockerfile of the sandbox image. It runs inside the Docker image (docker
 backend) or as a local subprocess (local backend) and depends only on grpcio, grpcio-health-checking,
-grpcio-reflection, protobuf, pebble and :mod:`rewardbox.wire`: all the sandbox image installs besides the user's
+grpcio-reflection, protobuf and :mod:`rewardbox.wire`: all the sandbox image installs besides the user's
 packages. The host never imports it.
 
 Reward code imports :func:`run` and :func:`run_tests` from here to execute model-written programs

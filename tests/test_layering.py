@@ -50,7 +50,7 @@ def test_the_host_never_imports_the_sandbox(folder):
 
 
 @pytest.mark.parametrize("folder, allowed", [
-    ("sandbox_image", ("rewardbox.sandbox", "rewardbox.wire", "grpc", "grpc_health", "grpc_reflection", "pebble")),
+    ("sandbox_image", ("rewardbox.sandbox", "rewardbox.wire", "grpc", "grpc_health", "grpc_reflection")),
     # grpc_tools: only the dev-time stub generator (protogen.py), which is not copied into images
     ("proto", ("rewardbox.wire", "grpc", "google.protobuf", "grpc_tools")),
 ])

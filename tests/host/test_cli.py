@@ -35,3 +35,16 @@ def test_score_writes_one_row_per_sample_in_order_with_status_and_weighted_total
     assert "ValueError: no" in got[1]["errors"]["flaky"]
     assert got[1]["total"] == 1.5
     assert "per-function status" in proc.stdout and "flaky" in proc.stdout
+
+
+def test_per_request_http_logs_are_muted_unless_verbose():
+    import logging
+
+    from rewardbox import cli
+
+    cli._setup_logging(False)
+    assert not logging.getLogger("httpx").isEnabledFor(logging.INFO)
+    assert logging.getLogger("rewardbox").isEnabledFor(logging.INFO)
+    cli._setup_logging(True)
+    assert logging.getLogger("httpx").isEnabledFor(logging.DEBUG)
+    cli._setup_logging(False)

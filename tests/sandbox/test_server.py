@@ -246,7 +246,7 @@ def test_health_reflection_and_describe_are_served(sandboxes):
     described = replica.describe()
     assert [f.name for f in described.functions] == ["behave"]
     assert described.functions[0].signature == "behave(prompt, completion, example)"
-    assert any(p.lower().startswith("pebble==") for p in described.packages)
+    assert any(p.lower().startswith("protobuf==") for p in described.packages)
 
 
 def test_reload_during_a_batch_lets_the_old_version_finish_it(sandboxes, tmp_path):
