@@ -21,3 +21,10 @@ def correctness_reward(prompt, completion, example, trainer_state=None):
     if match is None and trainer_state is not None and trainer_state.max_steps:
         return 0.5 if same and trainer_state.global_step < trainer_state.max_steps // 2 else 0.0
     return 1.0 if same else 0.0
+
+
+# sympy fills caches as it works, and under isolation: sample every sample starts from this module's state after
+# import: warmed here, once, they are every sample's (about a quarter of the cost of a sample scored cold).
+for _answer, _reference in (("12", "12"), ("13", "12"), ("7 + 0", "7"), ("2*3", "6"), ("2*4", "6"), ("x + 1", "1"),
+                            ("x + 2", "5"), ("1/2", "0.5"), ("-3", "3"), ("2.5", "5/2"), ("x*y", "2")):
+    correctness_reward("", f"<answer>{_answer}</answer>", {"answer": _reference})
