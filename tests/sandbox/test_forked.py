@@ -1,7 +1,7 @@
 """How a slot process sends a forked unit's answer (``rewardbox.sandbox.forked.send_with_trailer``), on real sockets.
 The server closes a request's socket as soon as it has read the last unit's answer and trailer; the template may
 then give that slot process the next request at once. The forked samples themselves, in real containers:
-tests/docker/test_reuse.py and tests/docker/test_hostile.py."""
+tests/docker/test_sample_isolation.py and tests/docker/test_hostile.py."""
 
 from __future__ import annotations
 

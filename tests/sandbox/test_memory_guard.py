@@ -1,6 +1,6 @@
 """The memory guard's reading and deciding (``rewardbox.sandbox.memory_guard``), on files laid out as the kernel and
 gVisor lay them out. What it does to real samples near a real container's limit, under runc and gVisor:
-tests/docker/test_reuse.py (``..._dies_near_the_limit_not_an_innocent``, ``test_dentries_...``); what sockets hold:
+tests/docker/test_sample_isolation.py (``..._dies_near_the_limit_not_an_innocent``, ``test_dentries_...``); what sockets hold:
 tests/sandbox/test_sockets.py."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What the sandbox's sockets hold (``rewardbox.sandbox.sockets``), read from this machine's kernel: sock_diag says
 what each uid's sockets queue, and /proc tells sockets a process holds from those in flight. Under gVisor, in a real
-container: tests/docker/test_reuse.py."""
+container: tests/docker/test_sample_isolation.py."""
 
 from __future__ import annotations
 
