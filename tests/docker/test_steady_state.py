@@ -93,6 +93,15 @@ WEIGHTS = {"correct": 1.0}
 SHARED = mmap.mmap(-1, 4096)  # MAP_SHARED: every process forked from the template would write the same page
 
 
+STATE = {"seen": []}
+
+
+async def remembers(prompt, completion, example):
+    """An async reward that keeps what it saw in a nested list (no top-level name or size changes)."""
+    STATE["seen"].append(completion)
+    return float(len(STATE["seen"]))
+
+
 def shared(prompt, completion, example):
     """Runs the completion; its module keeps a page of shared memory."""
     namespace = {}
@@ -114,6 +123,7 @@ CASES = {
                   "", 1.0),
     "yaml_depth": ("a: !!python/object/apply:sys.setrecursionlimit [60]", "[" * 40 + "1" + "]" * 40, "", 40.0),
     "weighted": ('W.__setitem__("correct", 0.0) or 1', 'W["correct"]', "", 1.0),
+    "remembers": ("anything", "something else", "", 1.0),
     "shared": ("import sys\nnext(m for m in list(sys.modules.values()) if hasattr(m, 'SHARED')).SHARED[0] = 1\n"
                "score = 1.0", "score = 1.0", "", 1.0),
 }
