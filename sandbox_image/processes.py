@@ -148,6 +148,53 @@ def children() -> Optional[set]:
     return {int(pid) for pid in data.split()}
 
 
+def all_children() -> set:
+    """The pids of this process's children, whichever of its threads forked them (each task's ``children`` file;
+    where the kernel lists none, every process whose parent is this one, from ``/proc``)."""
+    found: set = set()
+    try:
+        tasks = os.listdir("/proc/self/task")
+        for task in tasks:
+            with open(f"/proc/self/task/{task}/children", "rb") as f:
+                found.update(int(pid) for pid in f.read().split())
+        return found
+    except OSError:
+        pass
+    me = os.getpid()
+    for pid, status in statuses():
+        at = status.find(b"\nPPid:\t")
+        if at >= 0 and int(status[at + 7:status.index(b"\n", at + 1)]) == me:
+            found.add(pid)
+    return found
+
+
+def name_of(pid: int) -> str:
+    """The process's name (its ``comm``), or "?" once it is gone."""
+    try:
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            return f.read().strip().decode("utf-8", "replace")
+    except OSError:
+        return "?"
+
+
+def kill_children(keep: set, deadline_s: float = 2.0) -> None:
+    """Kills and reaps every child of this process but those in ``keep``, and what they orphan to it (its
+    subreaper's), until none is left or ``deadline_s`` passed."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        for pid, _ in exited_children():
+            pass
+        left = all_children() - keep
+        if not left:
+            return
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.005)
+
+
 def fork_child(main: Callable[[], None]) -> int:
     """Forks a child that dies with this process, runs ``main`` and exits: 0 when it returns, 70 when it raises (the
     parent learns of it from the socket it shares with the child closing). Returns the child's pid."""

@@ -19,6 +19,7 @@ socket to it, telling the runner which slot that socket belongs to.
 
 from __future__ import annotations
 
+import _thread
 import collections
 import dataclasses
 import gc
@@ -100,6 +101,10 @@ class Template:
         except worker.LoadError as e:
             send(self.server, {"op": "load_error", "message": str(e)})
             return
+        left = self._left_by_import()
+        if left:
+            send(self.server, {"op": "load_error", "message": f"{self.config.filename}: {left}"})
+            return
         if self.mode != "worker":
             try:  # before anything is forked: no sample may share pages with another (see private_memory)
                 private_memory.make_private()
@@ -138,6 +143,31 @@ class Template:
             self._dispatch()  # requests first: a fork costs the template about a millisecond
             self._respawn_due()
         self._kill_all()
+
+    def _left_by_import(self) -> str:
+        """Why the reward cannot be served, from what importing it left running in this process ("" where nothing):
+        a process (a multiprocessing manager, a server) or a Python thread started at import runs as the sandbox's
+        root, outside every slot's uid and seccomp filter, for the sandbox's life, beside every sample, and model
+        code reaches it over loopback (a red team ran code as root through a manager's pickles). The processes
+        are killed."""
+        for _ in processes.exited_children():  # what finished is no concern (a probe run with subprocess)
+            pass
+        keep = {self.runner_pid} if self.runner_pid else set()
+        found = sorted(processes.all_children() - keep)
+        threads = _thread._count()
+        if not found and not threads:
+            return ""
+        what = []
+        if found:
+            shown = ", ".join(f"{pid} ({processes.name_of(pid)})" for pid in found[:5])
+            what.append(f"{len(found)} process(es) running ({shown})")
+            processes.kill_children(keep)
+        if threads:
+            what.append(f"{threads} thread(s) running")
+        return (f"importing it left {' and '.join(what)}: they would run as the sandbox's root, beside every sample "
+                "and reachable by model-written code. Start them inside the reward function instead (they then "
+                "run under the sample's own uid, limits and seccomp filter, and end with it; under isolation: "
+                "worker they live as long as the worker)")
 
     def _next_timer(self) -> Optional[float]:
         if not self._may_spawn():

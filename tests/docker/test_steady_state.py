@@ -14,7 +14,7 @@ import asyncio
 
 import pytest
 
-from rewardbox import build_samples
+from rewardbox import RewardLoadError, build_samples
 from rewardbox.wire import Status
 from tests.docker.conftest import sandboxes_on_runtime
 
@@ -156,3 +156,20 @@ def test_a_hostile_completion_changes_no_later_samples_score_through_the_rewards
         (batch.values, batch.errors)
     after = score(sandboxes, name, [innocent] * 4, answer)
     assert list(zip(after.values, after.statuses)) == [(alone, Status.OK)] * 4, (after.values, after.errors)
+
+
+def test_a_multiprocessing_manager_started_at_import_fails_the_load(docker_sandboxes):
+    # It would run as the sandbox's root beside every sample: a completion that holds its authkey (every process
+    # forked from the template does) sends it a pickle that runs as root (red team of #40). The load fails instead,
+    # naming the file and the fix.
+    code = """
+    from multiprocessing.managers import SyncManager
+    MANAGER = SyncManager(address=("127.0.0.1", 0))
+    MANAGER.start()
+    CACHE = MANAGER.dict()
+    def cached(prompt, completion, example):
+        return CACHE.get(completion, 0.0)
+    """
+    with pytest.raises(RewardLoadError, match=r"cached.py: importing it left 1 process\(es\) running .* as the "
+                                              r"sandbox's root"):
+        docker_sandboxes([{"name": "cached", "code": code}])

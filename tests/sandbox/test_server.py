@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-
+import asyncio
+import os
 import time
 
 import grpc
@@ -339,3 +340,39 @@ def test_startup_check_names_a_required_parameter_the_dataset_lacks_and_a_column
                                    answer=[1, 2.5], trainer_state=None, log_metric=lambda *a: None,
                                    log_extra=lambda *a: None))
     assert values == [1.0, 2.5]
+
+
+def test_processes_or_threads_an_import_leaves_running_fail_the_load_and_the_processes_are_killed(sandboxes,
+                                                                                                  tmp_path):
+    # The template imports the reward as the sandbox's root: whatever the import leaves running (a multiprocessing
+    # manager, a server) would run as root beside every sample, reachable by model-written code (red team of #40).
+    pid_file = tmp_path / "helper.pid"
+    code = f"""
+    import subprocess, sys
+    HELPER = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    open({str(pid_file)!r}, "w").write(str(HELPER.pid))
+    def helper(prompt, completion, example):
+        return 1.0
+    """
+    with pytest.raises(RewardLoadError, match=r"helper.py: importing it left 1 process\(es\) running .*inside the "
+                                              r"reward function"):
+        sandboxes([{"name": "helper", "code": code}])
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # killed (and reaped) by the template
+    code = """
+    import threading, time
+    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+    def threaded(prompt, completion, example):
+        return 1.0
+    """
+    with pytest.raises(RewardLoadError, match=r"importing it left 1 thread\(s\) running"):
+        sandboxes([{"name": "threaded", "code": code}])
+    code = """
+    import subprocess
+    subprocess.run(["true"], check=True)  # what an import ran and waited for is no concern
+    def probes(prompt, completion, example):
+        return 1.0
+    """
+    s = sandboxes([{"name": "probes", "code": code}])
+    assert asyncio.run(s["probes"].client.score(build_samples(["p"], ["c"], {}))).values == [1.0]
