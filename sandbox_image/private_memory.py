@@ -32,10 +32,17 @@ def _on_read_only_filesystem(path: str) -> bool:
         return False
 
 
+def _a_file(backing: str) -> bool:
+    """Whether a mapping is of a file a name still reaches (a read-only ``np.memmap``, a dataset's Arrow file): copied,
+    it would turn reclaimable page cache into anonymous memory, and reading past the file's end raises SIGBUS. Such
+    a mapping becomes writable only where the file was opened for writing, which a process forked from here cannot
+    do to the template's descriptor."""
+    return backing.startswith("/") and not backing.endswith("(deleted)") and not backing.startswith("/dev/zero")
+
+
 def shared_mappings(maps: str = "/proc/self/maps") -> Iterator[tuple[int, int, int, str]]:
-    """(start, end, protection, what backs it) of each shared mapping in ``maps`` that a process could write to:
-    not one of a read-only file on a read-only file system (glibc's gconv cache: no process can make it writable,
-    as that needs the file open for writing)."""
+    """(start, end, protection, what backs it) of each shared mapping in ``maps`` but read-only mappings of files
+    (glibc's gconv cache, a read-only ``np.memmap``: see :func:`_a_file`)."""
     with open(maps) as f:
         for line in f:
             fields = line.split(maxsplit=5)
@@ -46,7 +53,7 @@ def shared_mappings(maps: str = "/proc/self/maps") -> Iterator[tuple[int, int, i
             prot = (PROT_READ if perms[0] == "r" else 0) | (PROT_WRITE if perms[1] == "w" else 0) | \
                 (PROT_EXEC if perms[2] == "x" else 0)
             backing = fields[5].strip() if len(fields) > 5 else ""
-            if not prot & PROT_WRITE and _on_read_only_filesystem(backing):
+            if not prot & PROT_WRITE and (_on_read_only_filesystem(backing) or _a_file(backing)):
                 continue
             yield start, end, prot, backing
 

@@ -56,6 +56,7 @@ class _Slot:
     broken: bool = False
     last_failure: str = ""
     cleaned: bool = False  # a process of this template got ready in this slot: it had cleaned up after the uid
+    served: bool = False  # its current process was given a request (a process that serves one is not "ready")
 
 
 class Template:
@@ -263,12 +264,12 @@ class Template:
                 pass
         for request in sorted(s.requests):
             send(self.server, {"op": "exited", "req": request, "status": processes.describe_status(status)})
-        served = bool(s.requests) or s.ready
+        served = bool(s.requests) or s.ready or s.served
         if s.control is not None:
             if s.control.fileno() in self.selector.get_map():
                 self.selector.unregister(s.control)
             s.control.close()
-        s.pid, s.control, s.ready, s.retiring, s.requests = 0, None, False, False, set()
+        s.pid, s.control, s.ready, s.retiring, s.requests, s.served = 0, None, False, False, set(), False
         if not served:
             s.setup_failures += 1
             if s.setup_failures >= MAX_SETUP_FAILURES:
@@ -350,6 +351,7 @@ class Template:
                 continue
             os.close(fd)
             s.requests.add(request)
+            s.served = True
             if self.one_request:
                 s.ready = False
 

@@ -62,3 +62,17 @@ def test_a_read_only_shared_mapping_keeps_its_protection_and_contents():
 def test_nothing_to_do_without_shared_mappings():
     private_memory.make_private()
     assert private_memory.make_private() == 0
+
+
+def test_a_read_only_mapping_of_a_file_is_left_alone_even_past_the_files_end(tmp_path):
+    # Copied, a dataset's memory-mapped file would become anonymous memory, and a read past a truncated file's end
+    # raises SIGBUS (review of #40).
+    path = tmp_path / "data.bin"
+    path.write_bytes(b"x" * 2 * mmap.PAGESIZE)
+    fd = os.open(path, os.O_RDONLY)
+    mapped = mmap.mmap(fd, 2 * mmap.PAGESIZE, prot=mmap.PROT_READ)
+    os.close(fd)
+    os.truncate(path, 0)
+    assert all(str(path) not in backing for *_, backing in private_memory.shared_mappings())
+    private_memory.make_private()  # does not read it (SIGBUS would end this process)
+    mapped.close()
