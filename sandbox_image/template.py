@@ -124,6 +124,8 @@ class Template:
             seccomp.prepare()
             private_tmp.prewarm()
             processes.prewarm()
+        if self.forks:
+            slots.warm_up(self.loaded)
         if all(s.spec.private_tmp for s in self.slots):  # every slot's home is /tmp: set once, not per process
             os.environ.update(dict.fromkeys(slots.HOME_VARIABLES, private_tmp.PATH))
         gc.freeze()  # the module's objects stay shared with every fork instead of being copied on first touch
