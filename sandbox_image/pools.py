@@ -405,7 +405,7 @@ class FunctionPool:
                 for k, answer in enumerate(streamed.answered):
                     settle(taken[k], answer, oom)
                 settled = len(streamed.answered)
-                if streamed.failed is not None:
+                if streamed.failed is not None and settled < len(taken):
                     settle(taken[settled], streamed.failed, oom)
                     settled += 1
                     replaced += 1
@@ -646,7 +646,17 @@ class FunctionPool:
                     deadline_s += later
                     continue
                 streamed.add(await self._frame(reader, per_unit, deadline_s, forked=True))
-                trailer = await reader.exactly(1, deadline_s)
+                try:
+                    trailer = await reader.exactly(1, deadline_s)
+                except (asyncio.TimeoutError, _Ended) as e:
+                    # The unit's answer came whole, sent once its processes were gone and its /tmp emptied: what
+                    # stopped or ended the slot process before the trailer (the kernel's OOM killer, the memory
+                    # guard) is no unit's doing. It retires; the units after it were never started and go back to
+                    # the queue.
+                    if isinstance(e, asyncio.TimeoutError):
+                        self._kill(request, timeout_s)
+                    streamed.retired = True
+                    return streamed
                 if trailer != codec.CLEAN:
                     if trailer != codec.RETIRE:
                         raise codec.MalformedResult(f"{trailer!r} came where a unit's trailer belongs")
