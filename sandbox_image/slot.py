@@ -500,7 +500,7 @@ def run(loaded: worker.Loaded, slot: SlotSpec, control: socket.socket, mode: str
         if forks(mode, slot):
             forker = forked.Forker(close=(control.fileno(),), runner=execution.attached_socket(),
                                    scratch=private_tmp.home(slot.private_tmp, slot.directory),
-                                   unix_sockets=sockets.UnixSockets(slot.uid))
+                                   unix_sockets=sockets.UnixSockets(slot.uid), handlers=forked.take_handlers())
         serve(loaded, control, mode, mark, forker)
     except BaseException:  # noqa: BLE001 - reward code ran in this process: nothing it says is reported
         code = 70

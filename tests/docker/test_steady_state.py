@@ -1,7 +1,7 @@
 """isolation: sample in steady state: after hundreds of samples per pool, a hostile completion changes no other
 sample's score through state the reward itself keeps, of the kinds no audit event or state snapshot reports (a
 decimal context's sticky flags, an lru_cache's keys, a parser object's buffer, a module global a YAML gadget sets,
-a dict the reward module holds, a page of shared memory it mapped at import). Real containers, runc and gVisor.
+a dict the reward module holds, a page of shared memory it mapped at import, a signal handler it installed). Real containers, runc and gVisor.
 
 Each case: 5 x 64 neutral samples first (past any warm-up a pool could have), then ``[hostile] + [innocent] * 7`` in
 one call and ``[innocent] * 4`` in the next; every innocent must score exactly what it scores alone. These broke
@@ -24,7 +24,10 @@ import functools
 import json
 import math
 import mmap
+import os
+import signal
 import sys
+import time
 from html.parser import HTMLParser
 
 import yaml
@@ -109,6 +112,25 @@ def shared(prompt, completion, example):
     return 0.0 if SHARED[0] else float(namespace.get("score", 0.0))
 
 
+POKED = []
+
+
+def _poked(signum, frame):
+    POKED.append(signum)
+
+
+signal.signal(signal.SIGUSR1, _poked)  # installed at import, as a reward's own debugging hook would be
+
+
+def signalled(prompt, completion, example):
+    """Scores 1 where its module's handler is in place and has never run. The hostile signals the process that
+    forked it: a handler run there would change what every later sample starts from."""
+    if completion == "poke":
+        os.kill(os.getppid(), signal.SIGUSR1)
+        time.sleep(0.5)
+    return (1.0 if signal.getsignal(signal.SIGUSR1) is _poked else 0.0) - len(POKED)
+
+
 def weighted(prompt, completion, example):
     """Evaluates model-written arithmetic with the reward's weights in scope."""
     return float(eval(completion, {"__builtins__": {}}, {"W": WEIGHTS}))
@@ -124,6 +146,7 @@ CASES = {
     "yaml_depth": ("a: !!python/object/apply:sys.setrecursionlimit [60]", "[" * 40 + "1" + "]" * 40, "", 40.0),
     "weighted": ('W.__setitem__("correct", 0.0) or 1', 'W["correct"]', "", 1.0),
     "remembers": ("anything", "something else", "", 1.0),
+    "signalled": ("poke", "innocent", "", 1.0),
     "shared": ("import sys\nnext(m for m in list(sys.modules.values()) if hasattr(m, 'SHARED')).SHARED[0] = 1\n"
                "score = 1.0", "score = 1.0", "", 1.0),
 }
