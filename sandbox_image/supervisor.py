@@ -20,13 +20,14 @@ import selectors
 import signal
 import socket
 import stat
+import time
 from dataclasses import dataclass
 from typing import Optional
 
 from . import memory_guard, memory_use, private_tmp, template
 from .channel import ChannelClosed, pair, recv, send
 from .records import WorkerConfig
-from .processes import exited_children, fork_child, set_name, sigchld_wakeup
+from .processes import all_children, become_subreaper, exited_children, fork_child, set_name, sigchld_wakeup
 from .slot import SlotSpec
 
 SLOT_DIR_PREFIX = "/tmp/slot-"  # docker backend: one tmpfs per slot uid, mode 0700, owned by that uid
@@ -97,6 +98,9 @@ def parse_uids(text: str) -> tuple:
     return tuple(range(int(first), int(last or first) + 1))
 
 
+STRAYS_KILL_S = 2.0
+
+
 class Supervisor:
     def __init__(self, server: socket.socket, pool: SlotPool):
         self.server = server
@@ -115,6 +119,10 @@ class Supervisor:
 
     def run(self) -> None:
         set_name("rbx-supervisor")
+        # What a template leaves when it exits (processes its reward's import started, as the sandbox's root: a
+        # failed import's, or those a thread of the import started again as fast as the template killed them; slot
+        # processes still running) comes to this process, which kills it (_reap).
+        become_subreaper()
         wake_r = sigchld_wakeup()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         self.selector.register(wake_r, selectors.EVENT_READ, "wake")
@@ -130,11 +138,26 @@ class Supervisor:
                     return
 
     def _reap(self) -> None:
-        for pid, _ in exited_children():
-            # Returned slots go last: a template started again takes fresh ones first.
-            self.free = self.free + self.held.pop(pid, [])
-            if self.guard is not None:
-                self.guard.reaped(pid)
+        """Takes back the slots of templates that exited, and kills (and reaps) every child this process did not
+        start itself (its templates; the memory guard's killers): only a template's orphans are (its subreaper's),
+        as long as any is left, for at most STRAYS_KILL_S a time (a process that keeps forking as fast as it is
+        killed is taken at the next SIGCHLD)."""
+        end = time.monotonic() + STRAYS_KILL_S
+        while True:
+            for pid, _ in exited_children():
+                # Returned slots go last: a template started again takes fresh ones first.
+                self.free = self.free + self.held.pop(pid, [])
+                if self.guard is not None:
+                    self.guard.reaped(pid)
+            strays = all_children() - set(self.held) - (set(self.guard.killing) if self.guard is not None else set())
+            if not strays or time.monotonic() >= end:
+                return
+            for pid in strays:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            time.sleep(0.002)
 
     def _from_server(self) -> bool:
         try:

@@ -376,3 +376,55 @@ def test_processes_or_threads_an_import_leaves_running_fail_the_load_and_the_pro
     """
     s = sandboxes([{"name": "probes", "code": code}])
     assert asyncio.run(s["probes"].client.score(build_samples(["p"], ["c"], {}))).values == [1.0]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_what_a_failed_import_or_a_respawning_thread_leaves_running_is_killed(sandboxes, tmp_path):
+    # Neither a process started by an import that then raises, nor one that a thread of the import starts again as
+    # fast as it is killed, outlives the template: its orphans come to the supervisor, which kills every process it
+    # did not start itself (review of #40: both ran on as the sandbox's root while the sandbox served). Loaded as new
+    # versions of a reward in a running sandbox, which keeps serving the old one.
+    from rewardbox.replica import function_source
+
+    s = sandboxes([{"name": "versioned", "code": "def versioned(prompt, completion, example):\n    return 1.0\n"}])
+    replica, spec = s.replicas["versioned"][0], s.config.rewards[0]
+    path = s.config.source_path(spec)
+    pids = tmp_path / "pids"
+    failing = f"""
+import subprocess, sys
+HELPER = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+open({str(pids)!r}, "a").write(f"{{HELPER.pid}}\\n")
+raise RuntimeError("the import fails after it started a process")
+"""
+    respawning = f"""
+import subprocess, sys, threading, time
+def respawn():
+    while True:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        with open({str(pids)!r}, "a") as f:
+            f.write(f"{{child.pid}}\\n")
+        time.sleep(0.01)
+threading.Thread(target=respawn, daemon=True).start()
+time.sleep(0.2)
+def versioned(prompt, completion, example):
+    return 2.0
+"""
+    for code, error in ((failing, "the import fails after it started a process"),
+                        (respawning, r"importing it left \d+ process\(es\) running .* and 1 thread\(s\)")):
+        path.write_text(code)
+        with pytest.raises(RewardLoadError, match=error):
+            replica.load([function_source(spec, path)])
+    assert asyncio.run(s["versioned"].client.score(build_samples(["p"], ["c"], {}))).values == [1.0]
+    started = [int(line) for line in pids.read_text().split()]
+    assert len(started) > 2
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(_gone(pid) for pid in started):
+        time.sleep(0.05)
+    assert [pid for pid in started if not _gone(pid)] == []
