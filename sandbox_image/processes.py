@@ -177,13 +177,14 @@ def name_of(pid: int) -> str:
         return "?"
 
 
-def kill_children(keep: set, deadline_s: float = 2.0) -> None:
+def kill_children(keep: set, deadline_s: float = 2.0, reaped: Callable[[int], None] = lambda pid: None) -> None:
     """Kills and reaps every child of this process but those in ``keep``, and what they orphan to it (its
-    subreaper's), until none is left or ``deadline_s`` passed."""
+    subreaper's), until none is left or ``deadline_s`` passed. ``reaped(pid)`` is called for each child reaped
+    meanwhile, kept ones included."""
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         for pid, _ in exited_children():
-            pass
+            reaped(pid)
         left = all_children() - keep
         if not left:
             return

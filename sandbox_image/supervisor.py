@@ -20,14 +20,13 @@ import selectors
 import signal
 import socket
 import stat
-import time
 from dataclasses import dataclass
 from typing import Optional
 
 from . import memory_guard, memory_use, private_tmp, template
 from .channel import ChannelClosed, pair, recv, send
 from .records import WorkerConfig
-from .processes import all_children, become_subreaper, exited_children, fork_child, set_name, sigchld_wakeup
+from .processes import become_subreaper, fork_child, kill_children, set_name, sigchld_wakeup
 from .slot import SlotSpec
 
 SLOT_DIR_PREFIX = "/tmp/slot-"  # docker backend: one tmpfs per slot uid, mode 0700, owned by that uid
@@ -140,24 +139,16 @@ class Supervisor:
     def _reap(self) -> None:
         """Takes back the slots of templates that exited, and kills (and reaps) every child this process did not
         start itself (its templates; the memory guard's killers): only a template's orphans are (its subreaper's),
-        as long as any is left, for at most STRAYS_KILL_S a time (a process that keeps forking as fast as it is
-        killed is taken at the next SIGCHLD)."""
-        end = time.monotonic() + STRAYS_KILL_S
-        while True:
-            for pid, _ in exited_children():
-                # Returned slots go last: a template started again takes fresh ones first.
-                self.free = self.free + self.held.pop(pid, [])
-                if self.guard is not None:
-                    self.guard.reaped(pid)
-            strays = all_children() - set(self.held) - (set(self.guard.killing) if self.guard is not None else set())
-            if not strays or time.monotonic() >= end:
-                return
-            for pid in strays:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            time.sleep(0.002)
+        for at most STRAYS_KILL_S a time (a process that keeps forking as fast as it is killed is taken at the next
+        SIGCHLD)."""
+        keep = set(self.held) | (set(self.guard.killing) if self.guard is not None else set())
+        kill_children(keep, STRAYS_KILL_S, self._reaped)
+
+    def _reaped(self, pid: int) -> None:
+        # Returned slots go last: a template started again takes fresh ones first.
+        self.free = self.free + self.held.pop(pid, [])
+        if self.guard is not None:
+            self.guard.reaped(pid)
 
     def _from_server(self) -> bool:
         try:
