@@ -25,13 +25,6 @@ class SharedMappingError(RuntimeError):
     """A shared mapping could not be made private (the reward's module cannot be scored with fresh state)."""
 
 
-def _on_read_only_filesystem(path: str) -> bool:
-    try:
-        return bool(path.startswith("/") and os.statvfs(path).f_flag & os.ST_RDONLY)
-    except OSError:
-        return False
-
-
 def _a_file(backing: str) -> bool:
     """Whether a mapping is of a file a name still reaches (a read-only ``np.memmap``, a dataset's Arrow file): copied,
     it would turn reclaimable page cache into anonymous memory, and reading past the file's end raises SIGBUS. Such
@@ -53,7 +46,7 @@ def shared_mappings(maps: str = "/proc/self/maps") -> Iterator[tuple[int, int, i
             prot = (PROT_READ if perms[0] == "r" else 0) | (PROT_WRITE if perms[1] == "w" else 0) | \
                 (PROT_EXEC if perms[2] == "x" else 0)
             backing = fields[5].strip() if len(fields) > 5 else ""
-            if not prot & PROT_WRITE and (_on_read_only_filesystem(backing) or _a_file(backing)):
+            if not prot & PROT_WRITE and _a_file(backing):
                 continue
             yield start, end, prot, backing
 
