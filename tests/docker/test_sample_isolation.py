@@ -231,7 +231,12 @@ def test_cpu_burning_leftovers_die_before_later_samples_run(sandboxes):
         sum(range(12_000_000))
         score = float(time.monotonic() - wall < 4 * (time.process_time() - cpu) + 0.05)
     """)
-    _innocents_after(sandboxes, [spinners] * 3, busy, 1.0, 6)
+    # The innocents come in the next call: in the attackers' own call, an innocent on the other slot (workers: 2)
+    # runs beside a spinner sample that is still forking under gVisor (0.5-3 s there), whose live spinners it
+    # shares the CPU with (CI, 2 of its innocents timed out): contention with a live sample, which no isolation
+    # setting bounds; what this test is about is what the finished ones left.
+    score(sandboxes, "run", [spinners] * 3)  # scored or timed out: theirs to decide
+    _innocents_after(sandboxes, [], busy, 1.0, 6)
 
 
 def test_memory_a_helper_holds_for_a_sample_is_bounded_and_freed_with_it(sandboxes):
