@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from ..wire import Outcome, Status
-from . import codec, cpu_wait, private_tmp, processes, run_requests, sockets
+from . import codec, cpu_wait, import_effects, private_tmp, processes, run_requests, sockets
 
 _LENGTH = struct.Struct("<I")
 DONE = b"D"  # the child wrote its answer
@@ -182,6 +182,7 @@ class Forker:
                 _quiet()  # SIGCHLD's default action, and no wake-up descriptor (it is this process's to close)
                 for signum, handler in self.handlers.items():
                     _set_handler(signum, handler)
+                import_effects.give_back()
                 processes.set_name("rbx-sample")
                 private_tmp.make_dumpable()  # seen by this process's looks at its tree (cpu_wait) despite hidepid
                 os.close(read_end)

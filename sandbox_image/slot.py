@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..wire import Outcome, Status, trainer_state_from_dict
-from . import codec, cpu_wait, execution, forked, private_tmp, processes, run_requests, seccomp, sockets, worker
+from . import (codec, cpu_wait, execution, forked, import_effects, private_tmp, processes, run_requests, seccomp,
+               sockets, worker)
 from .channel import ChannelClosed, optional_fd, recv
 from .processes import die_with_parent, empty, kill_uid, remove_ipc
 from .records import SampleBatch
@@ -501,6 +502,8 @@ def run(loaded: worker.Loaded, slot: SlotSpec, control: socket.socket, mode: str
             forker = forked.Forker(close=(control.fileno(),), runner=execution.attached_socket(),
                                    scratch=private_tmp.home(slot.private_tmp, slot.directory),
                                    unix_sockets=sockets.UnixSockets(slot.uid), handlers=forked.take_handlers())
+        else:
+            import_effects.give_back()  # reward code runs in this process from here on
         serve(loaded, control, mode, mark, forker)
     except BaseException:  # noqa: BLE001 - reward code ran in this process: nothing it says is reported
         code = 70

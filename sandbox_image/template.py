@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from . import runner as runner_module
-from . import private_memory, private_tmp, processes, seccomp, slot as slots
+from . import import_effects, private_memory, private_tmp, processes, seccomp, slot as slots
 from . import worker
 from .channel import ChannelClosed, optional_fd, pair, recv, send
 from .program import RunSlot
@@ -97,10 +97,19 @@ class Template:
         # The template runs as root (docker backend): nothing may start programs from it. Slot processes attach.
         execution.attach(None, "rewardbox.sandbox.run cannot run while the reward module is imported (nor outside a "
                                "reward call): call it from the reward function")
+        # Everything the import changes that this process's own code would run or call is taken back as soon as
+        # it returns, and given back only where reward code runs (import_effects).
+        snapshot = import_effects.watch(self.config.filename, refuse_audit_hooks=self.mode != "worker")
         try:
             self.loaded = worker.load(self.config)
         except worker.LoadError as e:
+            import_effects.take(snapshot)
             send(self.server, {"op": "load_error", "message": str(e)})
+            return
+        refused = import_effects.take(snapshot)
+        del snapshot
+        if refused:
+            send(self.server, {"op": "load_error", "message": refused})
             return
         left = self._left_by_import()
         if left:
