@@ -1,7 +1,9 @@
 """isolation: sample in steady state: after hundreds of samples per pool, a hostile completion changes no other
 sample's score through state the reward itself keeps, of the kinds no audit event or state snapshot reports (a
 decimal context's sticky flags, an lru_cache's keys, a parser object's buffer, a module global a YAML gadget sets,
-a dict the reward module holds, a page of shared memory it mapped at import, a signal handler it installed). Real containers, runc and gVisor.
+a dict the reward module holds, a page of shared memory it mapped at import, a signal handler it installed), nor
+through reward code its import hooked into the interpreter (audit, trace, profile and fork hooks, replaced functions
+of the modules the sandbox's own code calls). Real containers, runc and gVisor.
 
 Each case: 5 x 64 neutral samples first (past any warm-up a pool could have), then ``[hostile] + [innocent] * 7`` in
 one call and ``[innocent] * 4`` in the next; every innocent must score exactly what it scores alone. These broke
@@ -196,3 +198,132 @@ def test_a_multiprocessing_manager_started_at_import_fails_the_load(docker_sandb
     with pytest.raises(RewardLoadError, match=r"cached.py: importing it left 1 process\(es\) running .* as the "
                                               r"sandbox's root"):
         docker_sandboxes([{"name": "cached", "code": code}])
+
+
+# Reward code the import hooked into the interpreter or into the modules the sandbox's own code calls: each hook
+# notes where it ran. A note made by a process other than the sample's own, after the import, is reward code that ran
+# in the template or a slot process (which outlive samples, and fork the later ones): before import_effects, every
+# sample saw them (the slot process's cleanup called the patched os functions with the names a sample chose).
+HOOKED = """
+import builtins, gc, os, select, selectors, signal, socket, struct, sys, threading, time
+
+_getpid = os.getpid
+TEMPLATE = _getpid()  # the process that imports the reward, and forks the slot processes
+ARMED = False
+SEEN = []
+
+
+def _note(what):
+    if ARMED:
+        SEEN.append((_getpid(), what))
+
+
+def _patched(owner, name):
+    original = getattr(owner, name)
+
+    def patched(*args, **kwargs):
+        _note(name)
+        return original(*args, **kwargs)
+
+    setattr(owner, name, patched)
+    return owner, name, patched
+
+
+PATCHED = [_patched(owner, name) for owner, names in (
+    (os, ("unlink", "rmdir", "rename", "scandir", "listdir", "open", "close", "read", "write", "kill", "killpg",
+          "waitpid", "wait4", "waitstatus_to_exitcode", "fork", "stat", "lstat", "fstat", "statvfs", "setsid",
+          "getpid", "getppid", "sched_getaffinity", "sysconf")),
+    (socket.socket, ("sendall", "sendmsg", "recv", "recv_into", "recvmsg", "close", "detach", "fileno")),
+    (socket, ("socketpair",)), (select, ("select", "poll", "epoll")), (selectors.DefaultSelector, ("select",)),
+    (signal, ("signal", "getsignal", "set_wakeup_fd", "pthread_sigmask", "setitimer")),
+    (time, ("monotonic", "sleep", "process_time", "time")), (struct, ("pack", "unpack", "pack_into", "unpack_from")),
+    (builtins, ("len", "isinstance", "open", "print", "sorted")),
+) for name in names if hasattr(owner, name)]
+
+
+def _trace(frame, event, arg):
+    _note("trace")
+
+
+def _profile(frame, event, arg):
+    _note("profile")
+
+
+def _collected(phase, info):
+    _note("gc")
+
+
+def _unraisable(info):
+    _note("unraisablehook")
+
+
+sys.settrace(_trace)
+sys.setprofile(_profile)
+threading.settrace(_trace)
+gc.callbacks.append(_collected)
+FORKED_FROM_IMPORT = []
+os.register_at_fork(before=lambda: _note("at-fork before"), after_in_parent=lambda: _note("at-fork after_in_parent"),
+                    after_in_child=lambda: FORKED_FROM_IMPORT.append(_getpid()))
+sys.unraisablehook = sys.excepthook = _unraisable
+ARMED = True
+
+
+def hooked(prompt, completion, example):
+    \"\"\"0 where a hook of the import ran in a slot process (one that outlives samples), -1 where one is not in place,
+    else 1000 + how many times they ran in the template: before the sandbox takes them back there, once the import
+    returned, and never after, so every sample sees the same count.\"\"\"
+    me = _getpid()
+    outside = sorted({what for pid, what in SEEN if pid not in (me, TEMPLATE)})
+    if outside:
+        print("ran outside a sample:", outside)
+        return 0.0
+    in_place = (all(getattr(owner, name) is patched for owner, name, patched in PATCHED) and sys.gettrace() is _trace
+                and sys.getprofile() is _profile and _collected in gc.callbacks and sys.unraisablehook is _unraisable
+                and FORKED_FROM_IMPORT == [me])  # its process was forked from the import's: its hook ran there
+    if not in_place:
+        return -1.0
+    if completion != "innocent":  # leaves files, directories and a helper process for the cleanup to find
+        os.makedirs("rbx-hostile/deeper")
+        builtins.open("rbx-hostile/file", "w").write("x")
+        if os.fork() == 0:
+            time.sleep(30)
+            os._exit(42)
+    return 1000.0 + sum(1 for pid, _ in SEEN if pid == TEMPLATE)
+"""
+
+
+@pytest.fixture(scope="module", params=["runc", "runsc"])
+def hooked(request, tmp_path_factory, docker_client, base_image):
+    started = sandboxes_on_runtime(request, tmp_path_factory, docker_client, base_image, HOOKED, [
+        {"name": "hooked", "timeout_s": 10.0, "workers": 2, "cpus": 2, "default_score": -5.0, "retries": 1}])
+    yield started
+    started.stop()
+
+
+def test_what_the_import_hooked_into_the_interpreter_runs_only_in_the_samples_own_processes(hooked):
+    seen = set()
+    for _ in range(5):  # steady state: hundreds of samples through the pool, a hostile one in each batch
+        report = score(hooked, "hooked", ["hostile"] + ["innocent"] * 63, "")
+        assert report.statuses == [Status.OK] * 64 and min(report.values) >= 1000.0, \
+            (report.values, report.errors[:2], report.logs[-2000:])
+        seen.update(report.values)
+    assert len(seen) == 1, seen  # the template ran them before its first fork only
+
+
+def test_an_audit_hook_added_at_import_fails_the_load_unless_the_reward_runs_in_a_worker(docker_sandboxes):
+    # An audit hook cannot be removed: added at import, it would run in the slot process, which cleans up after
+    # every sample with the names that sample chose, and keep what it saw for every later one (red team of #40:
+    # every innocent after one hostile completion scored 0.0). Refused, naming the line and the fix.
+    code = """
+    import sys
+    EVENTS = []
+    sys.addaudithook(lambda event, args: EVENTS.append(event) if event == "os.remove" else None)
+    def audited(prompt, completion, example):
+        return 0.0 if EVENTS else 1.0
+    """
+    with pytest.raises(RewardLoadError, match=r"audited.py:4: importing it adds an audit hook \(sys.addaudithook\)"
+                                              r".* use isolation: worker"):
+        docker_sandboxes([{"name": "audited", "code": code}])
+    started = docker_sandboxes([{"name": "audited", "code": code, "isolation": "worker"}])
+    samples = build_samples(["p"] * 4, ["c"] * 4, {})
+    assert asyncio.run(started["audited"].client.score(samples)).values == [1.0] * 4
