@@ -52,7 +52,7 @@ import signal
 import socket
 import struct
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..wire import Outcome, Status
@@ -80,10 +80,6 @@ class Forker:
     unix_sockets: sockets.UnixSockets  # its uid's, for what a unit left in flight
     reaper: bool = False
     wake: tuple = ()
-    # The import's own signal handlers (Python functions: reward code), signal number -> handler. The slot process
-    # runs them never: a child signals it at will (they share a uid), and a handler run there would change the state
-    # every later child starts from. Each child puts them back before its unit runs (see take_handlers).
-    handlers: dict = field(default_factory=dict)
 
     def arm(self) -> None:
         """Before a request's first unit: each SIGCHLD from now on writes a byte into a pipe that the wait for a
@@ -180,9 +176,7 @@ class Forker:
             code = 70
             try:
                 _quiet()  # SIGCHLD's default action, and no wake-up descriptor (it is this process's to close)
-                for signum, handler in self.handlers.items():
-                    _set_handler(signum, handler)
-                import_effects.give_back()
+                import_effects.give_back()  # the import's signal handlers, hooks and replaced functions
                 processes.set_name("rbx-sample")
                 private_tmp.make_dumpable()  # seen by this process's looks at its tree (cpu_wait) despite hidepid
                 os.close(read_end)
@@ -256,26 +250,6 @@ class Forker:
             why = f"worker process died ({details})" if details else "worker process died"
         send(_failure(samples, max_log_bytes, failed, why), retire)
         return retire
-
-
-def take_handlers() -> dict:
-    """In a slot process that forks, before it serves: the signal handlers the import installed that run Python
-    code (reward code), each replaced by the signal's default action here. Returns them for the children
-    (:attr:`Forker.handlers`). A child that signals its slot process then stops or ends it, as SIGSTOP and SIGKILL
-    do (its unit is the one that gets the ``timeout`` or ``crash``), instead of running the reward's handler in the
-    process every later child is forked from. Ignored signals stay ignored: no code runs for them."""
-    taken = {}
-    for signum in signal.valid_signals():
-        if signum in (signal.SIGKILL, signal.SIGSTOP):
-            continue
-        try:
-            handler = signal.getsignal(signum)
-        except (OSError, ValueError):
-            continue
-        if callable(handler):
-            taken[signum] = handler
-            _set_handler(signum, _signal.SIG_DFL)
-    return taken
 
 
 def send_with_trailer(sock: socket.socket, answer, trailer: bytes) -> None:

@@ -9,6 +9,8 @@ replaced ``sys.excepthook``) or a function it replaced in a module the sandbox u
 
 - an audit hook cannot be removed once added: while a reward that forks per sample is imported, adding one is
   refused, and the load fails naming the line and the fix (``isolation: worker``);
+- signal handlers the import installs are put back as they were (a Python handler is reward code: a sample's
+  process, which shares its slot process's uid, could make it run there by signalling it);
 - hooks the import registers with ``os.register_at_fork`` (which CPython never unregisters) are held back, not
   registered: they are registered, and its ``after_in_child`` hooks run once, in each process that runs reward
   code, as if that process had been forked from the import's own (as it was);
@@ -24,9 +26,11 @@ Not covered, and recorded in the security log: in-place changes to objects the s
 
 from __future__ import annotations
 
+import _signal
 import gc
 import os
 import posix
+import signal
 import sys
 import traceback
 import types
@@ -62,6 +66,7 @@ class _Watch:
 _watch = _Watch()
 _hooked = False
 _register_at_fork = os.register_at_fork  # the interpreter's own, bound before any reward is imported
+_set_handler, _get_handler = _signal.signal, _signal.getsignal
 _held_at_fork: list[dict] = []
 
 
@@ -89,14 +94,17 @@ class Effects:
         self.meta_path: Optional[list] = None
         self.path_hooks: Optional[list] = None
         self.at_fork: list[dict] = []
+        self.signals: dict = {}  # signal number -> what the import set (a handler, SIG_IGN or SIG_DFL)
 
     def any(self) -> bool:
-        return bool(self.after or self.at_fork or self.gc_callbacks or self.meta_path is not None
+        return bool(self.after or self.at_fork or self.signals or self.gc_callbacks or self.meta_path is not None
                     or self.path_hooks is not None or self.trace is not None or self.profile is not None)
 
     def give_back(self) -> None:
         """In a process about to run reward code: everything the import set, as it set it."""
         _apply(self.after)
+        for signum, handler in self.signals.items():
+            _set_handler(signum, handler)
         for hooks in self.at_fork:
             _register_at_fork(**hooks)
         for hooks in self.at_fork:
@@ -128,6 +136,7 @@ class _Snapshot:
         self.meta_path = list(sys.meta_path)
         self.path_hooks = list(sys.path_hooks)
         self.gc_callbacks = list(gc.callbacks)
+        self.signals = _dispositions()
         for name, module in list(sys.modules.items()):
             if isinstance(module, types.ModuleType):
                 contents = dict(vars(module))
@@ -175,6 +184,18 @@ class _Snapshot:
             else:
                 _diff(("dict", vars(owner)), was, vars(owner), before, after)
         return before, after
+
+
+def _dispositions() -> dict:
+    found = {}
+    for signum in signal.valid_signals():
+        if signum in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            found[signum] = _get_handler(signum)
+        except (OSError, ValueError):
+            continue
+    return found
 
 
 def _diff(target: tuple, was: dict, now: dict, before: list, after: list) -> None:
@@ -236,6 +257,11 @@ def take(snapshot: _Snapshot) -> str:
     if sys.path_hooks != snapshot.path_hooks:
         effects.path_hooks = list(sys.path_hooks)
         sys.path_hooks[:] = snapshot.path_hooks
+    for signum, handler in _dispositions().items():
+        was = snapshot.signals.get(signum)
+        if handler is not was and handler is not None:
+            effects.signals[signum] = handler
+            _set_handler(signum, was if was is not None else signal.SIG_DFL)
     effects.before, effects.after = snapshot.changes()
     try:
         _apply(effects.before)

@@ -501,7 +501,7 @@ def run(loaded: worker.Loaded, slot: SlotSpec, control: socket.socket, mode: str
         if forks(mode, slot):
             forker = forked.Forker(close=(control.fileno(),), runner=execution.attached_socket(),
                                    scratch=private_tmp.home(slot.private_tmp, slot.directory),
-                                   unix_sockets=sockets.UnixSockets(slot.uid), handlers=forked.take_handlers())
+                                   unix_sockets=sockets.UnixSockets(slot.uid))
         else:
             import_effects.give_back()  # reward code runs in this process from here on
         serve(loaded, control, mode, mark, forker)

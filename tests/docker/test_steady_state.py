@@ -265,6 +265,8 @@ FORKED_FROM_IMPORT = []
 os.register_at_fork(before=lambda: _note("at-fork before"), after_in_parent=lambda: _note("at-fork after_in_parent"),
                     after_in_child=lambda: FORKED_FROM_IMPORT.append(_getpid()))
 sys.unraisablehook = sys.excepthook = _unraisable
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # as command-line tools do
+signal.signal(signal.SIGTERM, _unraisable)  # a signal the sandbox's own processes set for themselves
 ARMED = True
 
 
@@ -279,6 +281,8 @@ def hooked(prompt, completion, example):
         return 0.0
     in_place = (all(getattr(owner, name) is patched for owner, name, patched in PATCHED) and sys.gettrace() is _trace
                 and sys.getprofile() is _profile and _collected in gc.callbacks and sys.unraisablehook is _unraisable
+                and signal.getsignal(signal.SIGPIPE) == signal.SIG_DFL
+                and signal.getsignal(signal.SIGTERM) is _unraisable
                 and FORKED_FROM_IMPORT == [me])  # its process was forked from the import's: its hook ran there
     if not in_place:
         return -1.0
