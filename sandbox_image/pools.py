@@ -716,7 +716,8 @@ class FunctionPool:
 
     async def _begin(self, ours: socket.socket, request: int, batch: SampleBatch, timeout_s: float,
                      state: Optional[dict]) -> Optional[Outcome]:
-        """Writes the request and waits for the worker's start byte. Returns None once it started, else the crash the samples share (its process died first).
+        """Writes the request and waits for the worker's start byte. Returns None once it started, else the crash the
+        samples share (its process died first).
 
         Raises:
             PoolUnavailable: the template is gone.

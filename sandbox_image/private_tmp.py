@@ -21,9 +21,9 @@ sandbox holds a capability over anything but its own namespaces, and the slot an
 answers success and changes nothing) and refuses mounts in a nested user namespace. Its ``SYS_ADMIN`` and
 ``SYS_CHROOT`` are its own (the host kernel never sees these calls), so at start-up the sandbox builds one root per
 uid under :data:`ROOTS` (a tmpfs of its own) that repeats the container's mounts (its read-only root, ``/proc``,
-``/dev``, ...; not ``/tmp/slot-*`` nor the gRPC socket's directory), with the uid's own directory on ``/tmp``. A slot process or program ``chroot``\ s into
-its uid's root as root, before it drops to that uid (after which it can never ``chroot`` again). No root holds
-``ROOTS`` itself, so no sample sees another's.
+``/dev``, ...; not ``/tmp/slot-*`` nor the gRPC socket's directory), with the uid's own directory on ``/tmp``. A
+slot process or program ``chroot``\ s into its uid's root as root, before it drops to that uid (after which it
+can never ``chroot`` again). No root holds ``ROOTS`` itself, so no sample sees another's.
 
 Where neither works (an AppArmor profile that forbids mounts, as Docker's default one does, or a Kubernetes
 ``RuntimeDefault`` seccomp profile), :func:`probe` says why at start-up and ``/tmp`` stays read-only.
