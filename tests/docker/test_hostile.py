@@ -470,7 +470,8 @@ def test_a_sysv_object_given_to_another_uid_does_not_outlive_its_sample(hostile_
         attack(hostile_sandboxes, GIVE_AWAY_SHM, {Status.OK})  # runc: no SysV IPC exists at all
         return
     # gVisor ignores the sysctls that switch SysV IPC off: the segment exists until the slot's cleanup right after
-    # the sample, so samples running at that moment may see it (README: Threat model); later ones never do.
+    # the sample, so samples running at that moment may see it (docs/explanation/threat-model.md); later ones never
+    # do.
     report = _score(hostile_sandboxes, [GIVE_AWAY_SHM])
     assert report.statuses == [Status.OK]
     time.sleep(0.5)
@@ -621,7 +622,8 @@ score = {i} / 8
 """
 
 
-@pytest.mark.parametrize("hostile_sandboxes", ["runc"], indirect=True)  # gVisor's /proc has no hidepid: README
+# gVisor's /proc has no hidepid: docs/explanation/security-defaults.md
+@pytest.mark.parametrize("hostile_sandboxes", ["runc"], indirect=True)
 def test_a_sample_cannot_read_the_command_lines_of_programs_other_samples_run(hostile_sandboxes):
     """A program's command line (/proc/<pid>/cmdline) is readable by every uid unless /proc hides other processes:
     where a reward passes a sample's code or test data as arguments, a sample beside it would read them (red team
@@ -657,7 +659,8 @@ score = {i} / 8
 """
 
 
-@pytest.mark.parametrize("hostile_sandboxes", ["runc"], indirect=True)  # gVisor's network stack keeps TIME_WAIT: README
+# gVisor's network stack keeps TIME_WAIT: docs/explanation/security-defaults.md
+@pytest.mark.parametrize("hostile_sandboxes", ["runc"], indirect=True)
 def test_connections_a_finished_sample_closed_keep_no_port_from_later_samples(hostile_sandboxes):
     """TCP keeps a connection its side closed first in TIME_WAIT for 60 s, in the container's network namespace and
     held by no process, so no kill of a sample's processes ends it: a later sample's bind() to that port failed

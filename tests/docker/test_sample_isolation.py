@@ -308,9 +308,10 @@ def test_a_sample_that_spreads_its_memory_over_its_forks_dies_near_the_limit_not
     # sample) the whole sandbox went: UNAVAILABLE for both. The memory guard adds up what each sample's processes
     # hold and kills the sample holding the most.
     # Under gVisor each fork takes a MiB every 20 ms (the 12 together, about 600 MiB/s): this test is about whom the
-    # guard kills. How fast it acts is a race the README states as not covered: gVisor's figures lag the host's,
-    # and 12 forks filling 80 MiB at once (a memset each) lost the whole sandbox in 1 to 2 runs of 8, the host's
-    # count 200 MiB past gVisor's. Paced so, the host's count peaked at 815-844 MiB of the 1 GiB in 8 runs of 8.
+    # guard kills. How fast it acts is a race the docs state as not covered (explanation/security-defaults.md):
+    # gVisor's figures lag the host's, and 12 forks filling 80 MiB at once (a memset each) lost the whole sandbox in
+    # 1 to 2 runs of 8, the host's count 200 MiB past gVisor's. Paced so, the host's count peaked at 815-844 MiB of
+    # the 1 GiB in 8 runs of 8.
     size, paced = (24, 0) if sandboxes.runtime == "runc" else (0, 80)
     forks = 36 if sandboxes.runtime == "runc" else 12
     hog = textwrap.dedent(f"""
@@ -433,7 +434,8 @@ def test_under_worker_isolation_too_an_innocent_the_kernels_oom_killer_took_is_s
     # process when a burst of small forks filled the sandbox. It is scored again once the call's other samples are
     # done (without that, it ends `crash`). The hog's forks end with it here: a worker's leftovers outlive its
     # sample under isolation: worker, and would fill the sandbox for the second try as well. (gVisor has no OOM
-    # killer inside the sandbox: the allocation that finds it full fails, a MemoryError; see the README.)
+    # killer inside the sandbox: the allocation that finds it full fails, a MemoryError; see
+    # docs/how-to/gvisor-apparmor.md.)
     innocent = "import time\ntime.sleep(1.5)\nx = b'\\x01' * (350 << 20)\nscore = 1.0"
     with _guard_stopped(sandboxes, "run_worker"):
         report = score(sandboxes, "run_worker", [_spread_hog(30, 20, hold_s=2.5), innocent])
@@ -551,7 +553,8 @@ score = 9.0
 """
 
 
-@pytest.mark.parametrize("sandboxes", ["runc"], indirect=True)  # gVisor: the sandbox itself ends (README, open)
+# gVisor: the sandbox itself ends (docs/explanation/security-defaults.md, open)
+@pytest.mark.parametrize("sandboxes", ["runc"], indirect=True)
 def test_what_a_closed_sender_left_queued_counts_for_its_receiver_and_the_guard_kills_that_sample(sandboxes):
     # Linux counts what a Unix socket sent and its peer has not read yet as the sender's; once the sender is
     # closed, sock_diag lists it no more. 600 MB hidden so, at the receiving ends of socket pairs or at connections
@@ -604,7 +607,8 @@ def test_what_a_samples_own_forks_orphan_is_reaped_while_it_runs(sandboxes):
 
 
 def test_a_sample_cannot_fill_the_kernel_with_empty_files(sandboxes):
-    # gVisor ignores a tmpfs's nr_inodes (the README says so): there the files only go with their sample
+    # gVisor ignores a tmpfs's nr_inodes (docs/explanation/security-defaults.md says so): there the files only go
+    # with their sample
     limited = sandboxes.runtime == "runc"
     filler = textwrap.dedent(f"""
         import os

@@ -31,7 +31,9 @@ def slow(prompt, completion, example):
 """
 SCORE = "/rewardbox.v1.RewardSandbox/Score"
 BIG = 200 * 1024 * 1024  # each hostile request, as the attack on the unprotected service used 250 MB ones
-RSS_BOUND = 64 * 1024 * 1024  # what all of them may add to the service at any time (README: "Under hostile peers")
+# What all of them may add to the service at any time (docs/explanation/threat-model.md: "The shared service under
+# hostile peers").
+RSS_BOUND = 64 * 1024 * 1024
 KEPT_BOUND = 32 * 1024 * 1024  # what may stay after all of them (allocator arenas, reused by the next attack)
 ROUNDS = 6  # 48 requests, each announcing 200 MB
 
