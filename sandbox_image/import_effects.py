@@ -14,11 +14,13 @@ replaced ``sys.excepthook``) or a function it replaced in a module the sandbox u
 - hooks the import registers with ``os.register_at_fork`` (which CPython never unregisters) are held back, not
   registered: they are registered, and its ``after_in_child`` hooks run once, in each process that runs reward
   code, as if that process had been forked from the import's own (as it was);
-- everything else the import changed in what existed before it (each module's attributes, the attributes of the
-  classes and module-level objects in them, the code and defaults of their functions, the trace and profile
-  functions, ``gc.callbacks``, ``sys.meta_path`` and ``sys.path_hooks``) is taken back in the template right after
-  the import (:func:`take`), and given back (:func:`give_back`) only in a process that runs reward code: a sample's
-  child, or a slot process that scores samples itself. Nothing of it runs in a process that outlives a sample.
+- everything else the import changed in what existed before it (the type and the attributes of each module and
+  of each module-level object, each class's metaclass, bases and attributes, the code, defaults and closure cells of
+  their functions, the trace and profile functions, ``gc.callbacks``, ``sys.meta_path`` and ``sys.path_hooks``) is
+  taken back in the template right after the import (:func:`take`), and given back (:func:`give_back`) only in a
+  process that runs reward code: a sample's child, or a slot process that scores samples itself. Nothing of it
+  runs in a process that outlives a sample. All of it is read and written through the base types' own
+  descriptors, so a class the import swapped in (``os.__class__ = Tracked``) runs nothing while it is taken.
 
 Not covered, and recorded in the security log: in-place changes to objects the sandbox's code does not call
 (a list's items, a dict's entries), and what C code changes outside Python objects.
@@ -38,7 +40,6 @@ from typing import Any, Optional
 
 _MISSING = object()
 _IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: a type whose attributes cannot be set (C types)
-_FUNCTION_PARTS = ("__code__", "__defaults__", "__kwdefaults__")
 
 
 class _Watch:
@@ -128,62 +129,122 @@ class Effects:
 _taken: Optional[Effects] = None
 
 
+# Read and written through the base types' own descriptors, never through attribute lookup on the object: a class
+# the import swapped in (``os.__class__ = Tracked``) could otherwise run reward code, or lie, on each access.
+_module_dict = types.ModuleType.__dict__["__dict__"].__get__
+_class_dict = type.__dict__["__dict__"].__get__
+_class_bases = type.__dict__["__bases__"].__get__
+_set_class_of_object = object.__setattr__
+_FUNCTION_PARTS = tuple((part, types.FunctionType.__dict__[part]) for part in ("__code__", "__defaults__",
+                                                                               "__kwdefaults__"))
+_closure = types.FunctionType.__dict__["__closure__"].__get__
+_cell_contents = types.CellType.__dict__["cell_contents"]
+
+
+def _instance_dict(value: Any) -> Optional[dict]:
+    """An object's own ``__dict__``, read through the descriptor its type had before the import (this runs after
+    the types are put back), or None where it has none."""
+    try:
+        contents = object.__getattribute__(value, "__dict__")
+    except (AttributeError, TypeError):
+        return None
+    return contents if type(contents) is dict else None
+
+
 class _Snapshot:
+    """What exists before the import: every module in ``sys.modules``, and, one level down, what each holds (its
+    classes, with their functions, its functions and its other objects). For each: its type, and what it holds
+    (a module's or an object's attributes, a class's attributes and bases, a function's code, defaults and closure
+    cells)."""
+
     def __init__(self, filename: str) -> None:
         self.filename = filename
-        self.modules: dict[str, tuple] = {}  # name -> (module, copy of its dict)
-        self.objects: dict[int, tuple] = {}  # id -> (kind, object, copy of what it holds)
+        self.types: dict[int, tuple] = {}  # id -> (object, its type)
+        self.modules: list[tuple] = []  # (module, copy of its dict)
+        self.classes: list[tuple] = []  # (class, its bases, copy of its dict)
+        self.functions: list[tuple] = []  # (function, its parts, its closure's cells and their contents)
+        self.objects: list[tuple] = []  # (object, copy of its dict)
         self.meta_path = list(sys.meta_path)
         self.path_hooks = list(sys.path_hooks)
         self.gc_callbacks = list(gc.callbacks)
         self.signals = _dispositions()
-        for name, module in list(sys.modules.items()):
-            if isinstance(module, types.ModuleType):
-                contents = dict(vars(module))
-                self.modules[name] = (module, contents)
+        for module in list(sys.modules.values()):
+            if isinstance(module, types.ModuleType) and id(module) not in self.types:
+                self.types[id(module)] = (module, type(module))
+                contents = dict(_module_dict(module))
+                self.modules.append((module, contents))
                 for value in contents.values():
-                    self._object(value, descend=True)
+                    self._take(value, descend=True)
 
-    def _object(self, value: Any, descend: bool) -> None:
-        key = id(value)
-        if key in self.objects or isinstance(value, types.ModuleType):
+    def _take(self, value: Any, descend: bool) -> None:
+        if id(value) in self.types or isinstance(value, types.ModuleType):
             return
         if isinstance(value, type):
             if value.__flags__ & _IMMUTABLE_TYPE:
                 return
-            contents = dict(vars(value))
-            self.objects[key] = ("class", value, contents)
+            self.types[id(value)] = (value, type(value))
+            contents = dict(_class_dict(value))
+            self.classes.append((value, _class_bases(value), contents))
             if descend:
                 for member in contents.values():
                     if isinstance(member, types.FunctionType):
-                        self._object(member, descend=False)
+                        self._take(member, descend=False)
         elif isinstance(value, types.FunctionType):
-            self.objects[key] = ("function", value, tuple(getattr(value, part) for part in _FUNCTION_PARTS))
+            self.types[id(value)] = (value, types.FunctionType)
+            cells = _closure(value) or ()
+            self.functions.append((value, tuple(part.__get__(value) for _, part in _FUNCTION_PARTS),
+                                   tuple((cell, _contents(cell)) for cell in cells)))
         else:
-            try:
-                contents = vars(value)
-            except TypeError:
-                return
-            if isinstance(contents, dict):
-                self.objects[key] = ("object", value, dict(contents))
+            self.types[id(value)] = (value, type(value))
+            contents = _instance_dict(value)
+            if contents is not None:
+                self.objects.append((value, dict(contents)))
 
     def changes(self) -> tuple[list, list]:
-        """(the values before, the values after) of everything that differs now, as :func:`_apply` takes them."""
-        before, after = [], []
-        for module, was in self.modules.values():
-            _diff(("dict", vars(module)), was, vars(module), before, after)
-        for kind, owner, was in self.objects.values():
-            if kind == "function":
-                now = tuple(getattr(owner, part) for part in _FUNCTION_PARTS)
-                for part, old, new in zip(_FUNCTION_PARTS, was, now):
-                    if old is not new:
-                        before.append(("attribute", owner, part, old))
-                        after.append(("attribute", owner, part, new))
-            elif kind == "class":
-                _diff(("class", owner), was, dict(vars(owner)), before, after)
-            else:
-                _diff(("dict", vars(owner)), was, vars(owner), before, after)
+        """(the values before, the values after) of everything that differs now, as :func:`_apply` takes them,
+        each stage put back before the next is read: types first (so that nothing after reads through a class the
+        import swapped in), then bases, then what each holds."""
+        before: list = []
+        after: list = []
+
+        def stage(found: list) -> None:
+            _apply([old for old, _ in found])
+            before.extend(old for old, _ in found)
+            after[:0] = [new for _, new in found]  # given back in the reverse order: what each holds, then types
+
+        stage([(("type", owner, None, was), ("type", owner, None, type(owner)))
+               for owner, was in self.types.values() if type(owner) is not was])
+        stage([(("bases", cls, None, bases), ("bases", cls, None, _class_bases(cls)))
+               for cls, bases, _ in self.classes if _class_bases(cls) is not bases])
+        found: list = []
+        for cls, _, was in self.classes:
+            found += _diff("class", cls, was, dict(_class_dict(cls)))
+        for module, was in self.modules:
+            found += _diff("dict", _module_dict(module), was, _module_dict(module))
+        for function, parts, cells in self.functions:
+            for (name, descriptor), old in zip(_FUNCTION_PARTS, parts):
+                new = descriptor.__get__(function)
+                if new is not old:
+                    found.append((("part", function, descriptor, old), ("part", function, descriptor, new)))
+            for cell, old in cells:
+                new = _contents(cell)
+                if new is not old:
+                    found.append((("cell", cell, None, old), ("cell", cell, None, new)))
+        stage(found)
+        found = []
+        for value, was in self.objects:
+            now = _instance_dict(value)
+            if now is not None:
+                found += _diff("dict", now, was, now)
+        stage(found)
         return before, after
+
+
+def _contents(cell: types.CellType) -> Any:
+    try:
+        return _cell_contents.__get__(cell)
+    except ValueError:  # an empty cell
+        return _MISSING
 
 
 def _dispositions() -> dict:
@@ -198,16 +259,18 @@ def _dispositions() -> dict:
     return found
 
 
-def _diff(target: tuple, was: dict, now: dict, before: list, after: list) -> None:
-    kind, owner = target
+def _diff(kind: str, owner: Any, was: dict, now: dict) -> list:
+    found = []
     for name in was.keys() | now.keys():
         old, new = was.get(name, _MISSING), now.get(name, _MISSING)
         if old is not new:
-            before.append((kind, owner, name, old))
-            after.append((kind, owner, name, new))
+            found.append(((kind, owner, name, old), (kind, owner, name, new)))
+    return found
 
 
 def _apply(changes: list) -> None:
+    """Each (kind, owner, name, value): sets it, through the base types' own setters (a class the import swapped
+    in runs no code of its own here)."""
     for kind, owner, name, value in changes:
         if kind == "dict":
             if value is _MISSING:
@@ -219,8 +282,24 @@ def _apply(changes: list) -> None:
                 type.__delattr__(owner, name)
             else:
                 type.__setattr__(owner, name, value)
+        elif kind == "type":
+            if issubclass(type(owner), type):  # isinstance would ask the object for its __class__
+                type.__setattr__(owner, "__class__", value)
+            else:
+                _set_class_of_object(owner, "__class__", value)
+        elif kind == "bases":
+            type.__setattr__(owner, "__bases__", value)
+        elif kind == "part":
+            name.__set__(owner, value)
+        elif value is _MISSING:  # an emptied closure cell
+            _cell_contents.__delete__(owner)
         else:
-            setattr(owner, name, value)
+            _cell_contents.__set__(owner, value)
+
+
+def _same_items(now: list, was: list) -> bool:
+    """By identity: ``==`` would call the items' own ``__eq__`` (reward code, which may say yes)."""
+    return len(now) == len(was) and all(a is b for a, b in zip(now, was))
 
 
 def watch(filename: str, refuse_audit_hooks: bool) -> _Snapshot:
@@ -251,10 +330,10 @@ def take(snapshot: _Snapshot) -> str:
     sys.setprofile(None)
     effects.gc_callbacks = list(gc.callbacks)
     gc.callbacks[:] = snapshot.gc_callbacks
-    if sys.meta_path != snapshot.meta_path:
+    if not _same_items(sys.meta_path, snapshot.meta_path):
         effects.meta_path = list(sys.meta_path)
         sys.meta_path[:] = snapshot.meta_path
-    if sys.path_hooks != snapshot.path_hooks:
+    if not _same_items(sys.path_hooks, snapshot.path_hooks):
         effects.path_hooks = list(sys.path_hooks)
         sys.path_hooks[:] = snapshot.path_hooks
     for signum, handler in _dispositions().items():
@@ -262,10 +341,9 @@ def take(snapshot: _Snapshot) -> str:
         if handler is not was and handler is not None:
             effects.signals[signum] = handler
             _set_handler(signum, was if was is not None else signal.SIG_DFL)
-    effects.before, effects.after = snapshot.changes()
     try:
-        _apply(effects.before)
-    except (AttributeError, TypeError) as e:
+        effects.before, effects.after = snapshot.changes()
+    except (AttributeError, TypeError, ValueError) as e:
         return (f"{snapshot.filename}: importing it changed what the sandbox's own code uses in a way that cannot be "
                 f"taken back ({type(e).__name__}: {e}); use isolation: worker for this reward")
     _taken = effects if effects.any() else None  # most imports change nothing: their samples pay nothing here

@@ -266,6 +266,22 @@ os.register_at_fork(before=lambda: _note("at-fork before"), after_in_parent=lamb
                     after_in_child=lambda: FORKED_FROM_IMPORT.append(_getpid()))
 sys.unraisablehook = sys.excepthook = _unraisable
 signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # as command-line tools do
+
+
+class _Module(type(os)):  # red team of import_effects: a class is no attribute, and every access went through it
+    def __getattribute__(self, name):
+        _note(f"os.{name}")
+        return super().__getattribute__(name)
+
+
+class _Environ(type(os.environ)):
+    def __getitem__(self, key):
+        _note("os.environ")
+        return super().__getitem__(key)
+
+
+os.environ.__class__ = _Environ
+os.__class__ = _Module
 signal.signal(signal.SIGTERM, _unraisable)  # a signal the sandbox's own processes set for themselves
 ARMED = True
 
@@ -283,6 +299,7 @@ def hooked(prompt, completion, example):
                 and sys.getprofile() is _profile and _collected in gc.callbacks and sys.unraisablehook is _unraisable
                 and signal.getsignal(signal.SIGPIPE) == signal.SIG_DFL
                 and signal.getsignal(signal.SIGTERM) is _unraisable
+                and type(os) is _Module and type(vars(os)["environ"]) is _Environ
                 and FORKED_FROM_IMPORT == [me])  # its process was forked from the import's: its hook ran there
     if not in_place:
         return -1.0

@@ -9,7 +9,7 @@ import sys
 import textwrap
 
 SCRIPT = textwrap.dedent('''
-    import gc, json, os, signal, socket, sys, types
+    import gc, json, os, posix, signal, socket, sys, types
     from rewardbox.sandbox import import_effects
 
     REWARD = """
@@ -27,16 +27,44 @@ SCRIPT = textwrap.dedent('''
         return None
     sys.settrace(tracer)
     sys.setprofile(tracer)
-    gc.callbacks.append(tracer)
+    def collected(phase, info):
+        return None
+    gc.callbacks.append(collected)
     signal.signal(signal.SIGUSR1, lambda *a: None)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    os.register_at_fork(after_in_child=lambda: FORKED.append(os.getpid()))
-    sys.meta_path.insert(0, type("Finder", (), {"find_spec": staticmethod(lambda *a: None)})())
+    import posix
+    os.register_at_fork(after_in_child=lambda: FORKED.append(posix.getpid()))
+    class Liar:
+        def __eq__(self, other):
+            return True
+        find_spec = staticmethod(lambda *a: None)
+    sys.meta_path[0] = Liar()  # equal to anything: only an identity check sees it
+    ARMED = []
+    class Tracked(type(os)):
+        def __getattribute__(self, name):
+            if ARMED:
+                raise AssertionError("the reward's module class ran")
+            return super().__getattribute__(name)
+    os.__class__ = Tracked
+    class Environ(type(os.environ)):
+        def get(self, *a):
+            if ARMED:
+                raise AssertionError("the reward's environ class ran")
+            return super().get(*a)
+    os.environ.__class__ = Environ
+    import argparse
+    argparse.RawDescriptionHelpFormatter.__bases__ = (type("Mixin", (argparse.HelpFormatter,), {"mixed": True}),)
+    ARMED.append(True)
     """
     {audit}
 
-    originals = (os.unlink, socket.socket.sendall, json.dumps.__code__, signal.getsignal(signal.SIGUSR1),
-                 signal.getsignal(signal.SIGPIPE), len(sys.meta_path))
+    import argparse
+    def state():
+        return (types.ModuleType.__dict__["__dict__"].__get__(os)["unlink"], socket.socket.sendall,
+                json.dumps.__code__, signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGPIPE),
+                tuple(map(id, sys.meta_path)), type(os), type(os.environ),
+                argparse.RawDescriptionHelpFormatter.__bases__)
+    originals = state()
 
 
     def load():  # the template's own names stay out of what exists before the import (this module is one of them)
@@ -47,8 +75,7 @@ SCRIPT = textwrap.dedent('''
 
 
     module, why = load()
-    taken_back = (os.unlink, socket.socket.sendall, json.dumps.__code__, signal.getsignal(signal.SIGUSR1),
-                  signal.getsignal(signal.SIGPIPE), len(sys.meta_path))
+    taken_back = state()
     report = {
         "why": why,
         "taken_back": taken_back == originals and sys.gettrace() is None and sys.getprofile() is None
@@ -59,17 +86,22 @@ SCRIPT = textwrap.dedent('''
     pid = os.fork()
     if pid == 0:
         import_effects.give_back()
-        given = (os.unlink is module.unlink and json.dumps({}) == "patched" and sys.gettrace() is module.tracer
-                 and sys.getprofile() is module.tracer and module.tracer in gc.callbacks
+        own = types.ModuleType.__dict__["__dict__"].__get__  # os's attributes: os is the reward's class here
+        given = (json.dumps({}) == "patched" and own(os)["unlink"] is module.unlink and sys.gettrace() is module.tracer
+                 and sys.getprofile() is module.tracer and module.collected in gc.callbacks
                  and signal.getsignal(signal.SIGPIPE) == signal.SIG_DFL
                  and signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None)
-                 and len(sys.meta_path) == originals[5] + 1 and module.FORKED == [os.getpid()])
+                 and type(sys.meta_path[0]).__name__ == "Liar" and type(os).__name__ == "Tracked"
+                 and type(own(os)["environ"]).__name__ == "Environ"
+                 and getattr(argparse.RawDescriptionHelpFormatter, "mixed", False)
+                 and module.FORKED == [posix.getpid()])
         sys.settrace(None)
         sys.setprofile(None)
-        os.write(write, b"1" if given else b"0")
-        os._exit(0)
+        posix.write(write, b"1" if given else b"0")  # os is the reward's now: it raises once the import ended
+        posix._exit(0)
+    os.close(write)
     os.waitpid(pid, 0)
-    report["given_back"] = os.read(read, 1) == b"1"
+    report["given_back"] = os.read(read, 1) == b"1"  # nothing where the child failed before it wrote
     print(json.dumps(report))
 ''')
 
@@ -89,5 +121,5 @@ def test_what_the_import_changed_is_taken_back_and_given_back_only_where_reward_
 
 def test_an_audit_hook_added_at_import_is_refused_naming_the_line():
     report = run(audit='REWARD += "\\nsys.addaudithook(lambda event, args: None)\\n"')
-    assert report["why"].startswith("reward.py:22: importing it adds an audit hook (sys.addaudithook)"), report["why"]
+    assert report["why"].startswith("reward.py:45: importing it adds an audit hook (sys.addaudithook)"), report["why"]
     assert "isolation: worker" in report["why"]
