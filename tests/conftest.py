@@ -33,6 +33,23 @@ score = 0.0
 """
 
 
+# The fast tier (`pytest -m fast`, docs/how-to/run-the-tests.md): every test that needs none of the Docker engine,
+# Ray, a browser, verl's environment or a GRPOTrainer run. Decided from what a test uses (its fixtures, transitively),
+# so a new test lands in the right tier without a marker of its own.
+HEAVY_FIXTURES = {"docker_client": "docker", "ray_cluster": "ray", "browser": "browser", "tiny_model": "train"}
+HEAVY_FOLDERS = {"verl": "verl", "trainer": "train", "ray": "ray"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        heavy = {why for name, why in HEAVY_FIXTURES.items() if name in getattr(item, "fixturenames", ())}
+        folder = Path(str(item.fspath)).relative_to(ROOT / "tests").parts[0]
+        if folder in HEAVY_FOLDERS:
+            heavy.add(HEAVY_FOLDERS[folder])
+        if not heavy:
+            item.add_marker(pytest.mark.fast)
+
+
 # Docker tests run against a real engine. A missing engine FAILS them (never skips): the README's test command
 # (scripts/test.sh) installs and starts one, and CI must prove the Docker backend works.
 @pytest.fixture(scope="session")
