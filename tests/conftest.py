@@ -38,14 +38,21 @@ score = 0.0
 # so a new test lands in the right tier without a marker of its own.
 HEAVY_FIXTURES = {"docker_client": "docker", "ray_cluster": "ray", "browser": "browser", "tiny_model": "train"}
 HEAVY_FOLDERS = {"verl": "verl", "trainer": "train", "ray": "ray"}
+# Real parts that start without those fixtures: a wheel build, a local Ray instance (the backends' conformance
+# suite run on Ray), and the shared service under load (minutes of hostile peers).
+HEAVY_FILES = {"test_packaging.py": "wheel build", "test_hostile_peers.py": "load"}
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         heavy = {why for name, why in HEAVY_FIXTURES.items() if name in getattr(item, "fixturenames", ())}
-        folder = Path(str(item.fspath)).relative_to(ROOT / "tests").parts[0]
-        if folder in HEAVY_FOLDERS:
-            heavy.add(HEAVY_FOLDERS[folder])
+        path = Path(str(item.fspath)).relative_to(ROOT / "tests")
+        if path.parts[0] in HEAVY_FOLDERS:
+            heavy.add(HEAVY_FOLDERS[path.parts[0]])
+        if path.name in HEAVY_FILES:
+            heavy.add(HEAVY_FILES[path.name])
+        if "ray" in getattr(getattr(item, "callspec", None), "id", "").split("-"):
+            heavy.add("ray")
         if not heavy:
             item.add_marker(pytest.mark.fast)
 
