@@ -16,7 +16,7 @@ import os
 from typing import Iterator
 
 PROT_READ, PROT_WRITE, PROT_EXEC = 1, 2, 4
-_MAP_PRIVATE, _MAP_ANONYMOUS = 0x02, 0x20
+_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS = 0x01, 0x02, 0x10, 0x20
 _MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
 _FAILED = (1 << 64) - 1  # MAP_FAILED as ctypes returns a c_void_p
 
@@ -27,28 +27,37 @@ class SharedMappingError(RuntimeError):
 
 def _a_file(backing: str) -> bool:
     """Whether a mapping is of a file a name still reaches (a read-only ``np.memmap``, a dataset's Arrow file): copied,
-    it would turn reclaimable page cache into anonymous memory, and reading past the file's end raises SIGBUS. Such
-    a mapping becomes writable only where the file was opened for writing, which a process forked from here cannot
-    do to the template's descriptor."""
+    it would turn reclaimable page cache into anonymous memory, and reading past the file's end raises SIGBUS."""
     return backing.startswith("/") and not backing.endswith("(deleted)") and not backing.startswith("/dev/zero")
 
 
-def shared_mappings(maps: str = "/proc/self/maps") -> Iterator[tuple[int, int, int, str]]:
-    """(start, end, protection, what backs it) of each shared mapping in ``maps`` but read-only mappings of files
-    (glibc's gconv cache, a read-only ``np.memmap``: see :func:`_a_file`)."""
-    with open(maps) as f:
+def shared_mappings(smaps: str = "/proc/self/smaps") -> Iterator[tuple[int, int, int, str, bool, int, int]]:
+    """(start, end, protection, what backs it, whether it may be made writable, file offset, inode) of each shared
+    mapping in ``smaps`` but read-only mappings of files that can never be made writable (glibc's gconv cache, a
+    read-only ``np.memmap``: see :func:`_a_file`). A read-only mapping of a file the import opened for writing
+    (``open(p, "r+b")``, then ``ACCESS_READ``) may be: any fork can ``mprotect`` it writable and write the file's
+    pages every later fork reads (red team of #40); ``VmFlags``' ``mw`` says so."""
+    header = None
+    with open(smaps) as f:
         for line in f:
-            fields = line.split(maxsplit=5)
-            perms = fields[1]
-            if perms[3] != "s":
-                continue
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            prot = (PROT_READ if perms[0] == "r" else 0) | (PROT_WRITE if perms[1] == "w" else 0) | \
-                (PROT_EXEC if perms[2] == "x" else 0)
-            backing = fields[5].strip() if len(fields) > 5 else ""
-            if not prot & PROT_WRITE and _a_file(backing):
-                continue
-            yield start, end, prot, backing
+            if header is None or not line[:1].isupper():  # a mapping's first line (its fields start lowercase/hex)
+                fields = line.split(maxsplit=5)
+                if "-" in fields[0] and len(fields) >= 5:
+                    header = fields
+                    continue
+            if header is not None and line.startswith("VmFlags:"):
+                fields, header = header, None
+                perms = fields[1]
+                if perms[3] != "s":
+                    continue
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                prot = (PROT_READ if perms[0] == "r" else 0) | (PROT_WRITE if perms[1] == "w" else 0) | \
+                    (PROT_EXEC if perms[2] == "x" else 0)
+                backing = fields[5].strip() if len(fields) > 5 else ""
+                may_write = "mw" in line.split()[1:]
+                if not prot & PROT_WRITE and not may_write and _a_file(backing):
+                    continue
+                yield start, end, prot, backing, may_write, int(fields[2], 16), int(fields[4])
 
 
 def _libc():
@@ -73,6 +82,24 @@ def _check(ok: bool, what: str, backing: str) -> None:
                                  f"could not be made private: {what}: {os.strerror(errno)}")
 
 
+def _remap_read_only(libc, start: int, length: int, prot: int, backing: str, offset: int, inode: int) -> None:
+    try:
+        fd = os.open(backing, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise SharedMappingError(f"the reward's import mapped {backing} shared from a descriptor open for writing, "
+                                 f"and it cannot be opened read-only ({e}): open it read-only (open(path, 'rb')) "
+                                 "to map it, or use isolation: worker") from None
+    try:
+        if os.fstat(fd).st_ino != inode:
+            raise SharedMappingError(f"the reward's import mapped {backing} shared from a descriptor open for "
+                                     "writing, and that name now names another file: open it read-only "
+                                     "(open(path, 'rb')) to map it, or use isolation: worker")
+        moved = libc.mmap(start, length, prot, _MAP_SHARED | _MAP_FIXED, fd, offset)
+        _check(moved == start, "mmap", backing)
+    finally:
+        os.close(fd)
+
+
 def make_private() -> int:
     """Replaces every shared mapping of this process by a private copy (see the module docstring). Returns how many
     it replaced.
@@ -86,8 +113,13 @@ def make_private() -> int:
     import ctypes
 
     libc = _libc()
-    for start, end, prot, backing in found:
+    for start, end, prot, backing, may_write, offset, inode in found:
         length = end - start
+        if not prot & PROT_WRITE and _a_file(backing):
+            # Read-only, of a file opened for writing: the same pages again, from a descriptor opened read-only (no
+            # fork can make them writable), at the same address. Still page cache, and still the file's own bytes.
+            _remap_read_only(libc, start, length, prot, backing, offset, inode)
+            continue
         if not prot & PROT_READ:
             _check(libc.mprotect(start, length, prot | PROT_READ) == 0, "mprotect", backing)
         copy = libc.mmap(None, length, PROT_READ | PROT_WRITE, _MAP_PRIVATE | _MAP_ANONYMOUS, -1, 0)

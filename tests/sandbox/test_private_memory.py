@@ -48,7 +48,7 @@ def test_a_read_only_shared_mapping_keeps_its_protection_and_contents():
     source[:4] = b"data"
     private_memory.make_private()  # source is private from here on
     read_only = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ)
-    before = {start for start, _, prot, _ in private_memory.shared_mappings() if prot == private_memory.PROT_READ}
+    before = {m[0] for m in private_memory.shared_mappings() if m[2] == private_memory.PROT_READ}
     assert len(before) == 1
     (start,) = before
     assert _perms(start) == "r--s"
@@ -73,6 +73,32 @@ def test_a_read_only_mapping_of_a_file_is_left_alone_even_past_the_files_end(tmp
     mapped = mmap.mmap(fd, 2 * mmap.PAGESIZE, prot=mmap.PROT_READ)
     os.close(fd)
     os.truncate(path, 0)
-    assert all(str(path) not in backing for *_, backing in private_memory.shared_mappings())
+    assert all(str(path) not in m[3] for m in private_memory.shared_mappings())
     private_memory.make_private()  # does not read it (SIGBUS would end this process)
     mapped.close()
+
+
+def test_a_read_only_mapping_of_a_file_opened_for_writing_is_mapped_again_from_a_read_only_descriptor(tmp_path):
+    # Red team of #40: open(p, "r+b") and ACCESS_READ at import; a fork could mprotect the mapping writable (the
+    # descriptor allowed it) and write the file's pages every later fork reads.
+    import ctypes
+
+    path = tmp_path / "table.bin"
+    path.write_bytes(b"\x01" * mmap.PAGESIZE)
+    with open(path, "r+b") as f:
+        table = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    found = [m for m in private_memory.shared_mappings() if m[3] == str(path)]
+    assert len(found) == 1 and found[0][4], found  # it may be made writable
+    start = found[0][0]
+    private_memory.make_private()
+    assert not [m for m in private_memory.shared_mappings() if m[3] == str(path)]  # now it may not
+    assert _perms(start) == "r--s" and table[:1] == b"\x01"  # the same file's pages, at the same address
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    pid = os.fork()
+    if pid == 0:
+        refused = libc.mprotect(start, mmap.PAGESIZE, private_memory.PROT_READ | private_memory.PROT_WRITE) != 0
+        os._exit(0 if refused else 1)
+    assert os.waitpid(pid, 0)[1] == 0  # a fork cannot make it writable any more
+    assert path.read_bytes()[:1] == b"\x01"
+    table.close()
