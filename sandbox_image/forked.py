@@ -176,6 +176,13 @@ class Forker:
             code = 70
             try:
                 _quiet()  # SIGCHLD's default action, and no wake-up descriptor (it is this process's to close)
+                # Descriptors 0-2 of its own: the slot process's /dev/null is one open file that every child would
+                # share, with its flock and open-file locks and its status flags (red team of #40: a hostile's
+                # flock(0) held every later sample's lock on /dev/null).
+                null = os.open("/dev/null", os.O_RDWR)
+                for fd in (0, 1, 2):
+                    os.dup2(null, fd)
+                os.close(null)
                 import_effects.give_back()  # the import's signal handlers, hooks and replaced functions
                 processes.set_name("rbx-sample")
                 private_tmp.make_dumpable()  # seen by this process's looks at its tree (cpu_wait) despite hidepid
