@@ -22,6 +22,7 @@ from tests.docker.conftest import sandboxes_on_runtime
 
 REWARDS = '''
 import decimal
+import fcntl
 import functools
 import json
 import math
@@ -133,6 +134,26 @@ def signalled(prompt, completion, example):
     return (1.0 if signal.getsignal(signal.SIGUSR1) is _poked else 0.0) - len(POKED)
 
 
+# Where the template may write a file (the root file system is read-only; /dev is a tmpfs under runc and gVisor)
+_TABLE_PATH = "/dev/shm/rbx-table.bin" if os.path.isdir("/dev/shm") else "/dev/rbx-table.bin"
+with open(_TABLE_PATH, "wb") as _f:
+    _f.write(b"\\x01" * mmap.PAGESIZE)
+with open(_TABLE_PATH, "r+b") as _f:  # opened for writing, mapped read-only: a fork could make it writable
+    TABLE = mmap.mmap(_f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+def mapped(prompt, completion, example):
+    """Reads a table its import mapped; runs model-written code first."""
+    exec(completion, {})
+    return float(TABLE[0])
+
+
+def stdin_flags(prompt, completion, example):
+    """1 where its standard input is as a fresh process has it; runs model-written code first."""
+    exec(completion, {})
+    return 0.0 if fcntl.fcntl(0, fcntl.F_GETFL) & (os.O_NONBLOCK | os.O_APPEND) else 1.0
+
+
 def weighted(prompt, completion, example):
     """Evaluates model-written arithmetic with the reward's weights in scope."""
     return float(eval(completion, {"__builtins__": {}}, {"W": WEIGHTS}))
@@ -149,6 +170,12 @@ CASES = {
     "weighted": ('W.__setitem__("correct", 0.0) or 1', 'W["correct"]', "", 1.0),
     "remembers": ("anything", "something else", "", 1.0),
     "signalled": ("poke", "innocent", "", 1.0),
+    "mapped": ("import ctypes\nlibc = ctypes.CDLL(None)\nfor line in open('/proc/self/maps'):\n"
+               "    if line.rstrip().endswith('rbx-table.bin'):\n"
+               "        lo, hi = (int(x, 16) for x in line.split()[0].split('-'))\n"
+               "        if libc.mprotect(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 3) == 0:\n"
+               "            ctypes.memset(lo, 0, 1)", "pass", "", 1.0),
+    "stdin_flags": ("import fcntl, os\nfcntl.fcntl(0, fcntl.F_SETFL, os.O_NONBLOCK | os.O_APPEND)", "pass", "", 1.0),
     "shared": ("import sys\nnext(m for m in list(sys.modules.values()) if hasattr(m, 'SHARED')).SHARED[0] = 1\n"
                "score = 1.0", "score = 1.0", "", 1.0),
 }
