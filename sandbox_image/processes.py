@@ -120,8 +120,8 @@ _PR_SET_NAME = 15
 
 
 def set_name(name: str) -> None:
-    """Names this process (at most 15 bytes) for ``ps``, ``top`` and ``perf`` (see docs/explanation/architecture.md's process tree).
-    Only for people: nothing trusts a name, and reward code may change its own."""
+    """Names this process (at most 15 bytes) for ``ps``, ``top`` and ``perf`` (see the process tree in
+    docs/explanation/architecture.md). Only for people: nothing trusts a name, and reward code may change its own."""
     _LIBC.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
