@@ -81,7 +81,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (re-exports, listed in __al
     from .backends import Backend, Sandbox, register_backend  # noqa: F401
     from .client import RewardClient, ScoreReport  # noqa: F401
     from .in_process import in_process_rewards  # noqa: F401
-    from .errors import BackendError, ConfigError, ImageBuildError, RewardboxError, RewardLoadError, TransportError  # noqa: F401
+    from .errors import (BackendError, ConfigError, ImageBuildError, RewardboxError, RewardLoadError,  # noqa: F401
+                         TransportError)
     from .replica import Replica  # noqa: F401
     from .reward import SandboxedReward  # noqa: F401
     from .samples import build_samples, samples_from_rows  # noqa: F401
@@ -89,4 +90,5 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (re-exports, listed in __al
     from .session import RewardSandboxes  # noqa: F401
     from .spec import RewardboxConfig, RewardSpec, SandboxSettings, load_config, parse_config  # noqa: F401
     from .trainer import TrainConfig, load_train_config, train  # noqa: F401
+    from .transport import Endpoint, GrpcTransport, Transport  # noqa: F401
     from .wire import Status, TrainerState  # noqa: F401
