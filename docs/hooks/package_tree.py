@@ -45,8 +45,18 @@ def _sync(package: str, folder: Path, mapping: dict[str, Path]) -> None:
         _sync(f"{package}.{child}", mapping[f"{package}.{child}"], mapping)
 
 
-def on_config(config, **kwargs):
+def _build() -> None:
     mapping = _mapping()
     for top in [name for name in mapping if "." not in name]:
         _sync(top, mapping[top], mapping)
+
+
+# Made when mkdocs loads this hook, before any plugin's on_config: mkdocstrings reads its handler's `paths` there,
+# and a folder missing then is no search path at all (the first build of a fresh clone failed: griffe found
+# `rewardbox` through the editable install instead, without its mapped subpackages).
+_build()
+
+
+def on_config(config, **kwargs):
+    _build()  # again on every rebuild of `mkdocs serve`: a module added since
     return config
