@@ -305,13 +305,15 @@ def _same_items(now: list, was: list) -> bool:
 def watch(filename: str, refuse_audit_hooks: bool) -> _Snapshot:
     """Before the import: what exists now, and (``refuse_audit_hooks``) the refusal of audit hooks armed."""
     global _hooked
-    if refuse_audit_hooks:
-        if not _hooked:
-            sys.addaudithook(_watch)
-            _hooked = True
-        _watch.filename, _watch.refused, _watch.armed = filename, [], True
-    snapshot = _Snapshot(filename)
+    if refuse_audit_hooks and not _hooked:
+        sys.addaudithook(_watch)
+        _hooked = True
+    _watch.filename, _watch.refused, _watch.armed = filename, [], False
     _held_at_fork.clear()
+    # Before arming: this module's own state is the same before and after (an armed watch, taken as the import's
+    # change, was put back armed in the template and disarmed in every child, which then had a change to apply).
+    snapshot = _Snapshot(filename)
+    _watch.armed = refuse_audit_hooks
     os.register_at_fork = posix.register_at_fork = _hold_at_fork
     return snapshot
 

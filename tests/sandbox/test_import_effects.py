@@ -123,3 +123,19 @@ def test_an_audit_hook_added_at_import_is_refused_naming_the_line():
     report = run(audit='REWARD += "\\nsys.addaudithook(lambda event, args: None)\\n"')
     assert report["why"].startswith("reward.py:45: importing it adds an audit hook (sys.addaudithook)"), report["why"]
     assert "isolation: worker" in report["why"]
+
+
+def test_an_import_that_changes_nothing_leaves_nothing_to_give_back_and_no_watch_armed():
+    # Samples of such a reward (most rewards) pay nothing in their child; the refusal of audit hooks ends with the
+    # import (an armed watch once read as the import's own change, and was put back armed in the template).
+    script = textwrap.dedent('''
+        import types
+        from rewardbox.sandbox import import_effects
+        def load():
+            snapshot = import_effects.watch("reward.py", refuse_audit_hooks=True)
+            exec(compile("import re\\nPATTERN = re.compile('x')\\n", "reward.py", "exec"), {})
+            return import_effects.take(snapshot)
+        print(repr(load()), import_effects._taken is None, import_effects._watch.armed)
+    ''')
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["''", "True", "False"], (done.stdout, done.stderr)
