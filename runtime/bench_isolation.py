@@ -98,7 +98,13 @@ FLOOR = _PER_FORK + textwrap.dedent(
             completion, example = samples[i % len(samples)]
             data = codec.encode_result([Outcome.ok(float(fn("p", completion, example)))], "", 0, 4096, 0.001)
             answer[:len(data)] = data
-    print(per_fork(int(sys.argv[-1]) if sys.argv[-1].isdigit() else 500, child))
+    n = int(sys.argv[-1]) if sys.argv[-1].isdigit() else 500
+    before = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    figure = per_fork(n, child)
+    after = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    print("split", *(f"{((b.ru_utime + b.ru_stime) - (a.ru_utime + a.ru_stime)) / n:.6f} {(b.ru_minflt - a.ru_minflt) / n:.1f}"
+                     for a, b in zip(before, after)))
+    print(figure)
     """
 )
 # What any fresh process per sample must do with the guarantees of isolation: sample (a uid of its own and a
@@ -118,6 +124,53 @@ ISOLATION_FLOOR = _PER_FORK + textwrap.dedent(
     """
 )
 BATCHES = 11  # a regex batch takes milliseconds: the median of 11 moves less than that of 5 between runs
+
+
+# A sandbox's processes by their names (processes.set_name); a forked sample's child is named after the slot
+# process until its first steps, which are counted with it.
+_ROLES = {"rbx-server": "server", "rbx-slot": "slot processes", "rbx-sample": "samples' processes"}
+
+
+def _process_counters() -> dict:
+    """{pid: (role, CPU seconds, minor page faults)} of the sandbox processes this host's /proc shows (runc; none
+    under gVisor, whose processes live in its own kernel). A process that exits takes its counters with it, so the
+    split is read while the pool is warm and its processes live on."""
+    import os
+
+    ticks = os.sysconf("SC_CLK_TCK")
+    found = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                text = f.read()
+        except OSError:
+            continue
+        role = _ROLES.get(text[text.index("(") + 1:text.rindex(")")])
+        if role is None:
+            continue
+        fields = text[text.rindex(")") + 2:].split()
+        # minflt, cminflt, utime, stime, cutime, cstime: a slot process's reaped children count in the c- fields
+        minflt, cminflt = int(fields[7]), int(fields[8])
+        own, reaped = (int(fields[11]) + int(fields[12])) / ticks, (int(fields[13]) + int(fields[14])) / ticks
+        found[int(entry.name)] = (role, own, minflt, reaped, cminflt)
+    return found
+
+
+def _split(before: dict, after: dict, samples: int) -> dict:
+    """{role: (CPU ms, page faults) per sample} between two :func:`_process_counters`; a slot process's reaped
+    children are the samples' processes."""
+    totals: dict = {}
+    for pid, (role, own, minflt, reaped, cminflt) in after.items():
+        _, own0, minflt0, reaped0, cminflt0 = before.get(pid, (role, 0.0, 0, 0.0, 0))
+        for name, cpu, faults in ((role, own - own0, minflt - minflt0),
+                                  ("samples' processes", reaped - reaped0, cminflt - cminflt0)):
+            if cpu or faults:
+                t = totals.setdefault(name, [0.0, 0])
+                t[0] += cpu
+                t[1] += faults
+    return {role: (cpu / samples * 1000, faults / samples) for role, (cpu, faults) in totals.items()}
 
 
 def _container_cpu_s(client) -> float:
@@ -140,10 +193,12 @@ async def _settled(client, window_s: float = 0.25, idle: float = 0.05, at_most_s
 
 
 def _measure(client, config, backend, name: str, completions: list, batches: int = BATCHES,
-             then: Optional[Callable] = None, columns: Optional[dict] = None) -> tuple[float, float]:
+             then: Optional[Callable] = None, columns: Optional[dict] = None,
+             split: Optional[dict] = None) -> tuple[float, float]:
     """(median wall seconds per batch, container CPU seconds per 1,000 samples) after a warm-up batch (``columns``:
     the samples' dataset columns). ``then`` is called with the sandbox's container after the batches, while it
-    still runs."""
+    still runs. ``split``, where given, is filled with the CPU and page faults per sample of each kind of process
+    (:func:`_split`; empty where the host cannot see them)."""
     samples = build_samples(["p"] * len(completions), completions, columns or {})
     with RewardSandboxes(config, backend=backend) as sandboxes:
         client_ = sandboxes[name].client
@@ -153,12 +208,15 @@ def _measure(client, config, backend, name: str, completions: list, batches: int
             assert all(s.value == "ok" for s in report.statuses), report.errors[:3]
             await _settled(client)
             walls = []
+            counters = _process_counters() if split is not None else {}
             cpu0 = _container_cpu_s(client)
             for _ in range(batches):
                 t0 = time.perf_counter()
                 await client_.score(samples)
                 walls.append(time.perf_counter() - t0)
             cpu = _container_cpu_s(client) - cpu0
+            if split is not None and counters:
+                split.update(_split(counters, _process_counters(), batches * len(completions)))
             return statistics.median(walls), cpu / (batches * len(completions)) * 1000
 
         figures = asyncio.run(run())
@@ -188,15 +246,22 @@ def _fork_floors(client, image: str) -> tuple[float, float]:
 
 
 def _sample_floor(client, image: str, directory: Path, source: str, function: str, samples: list,
-                  forks: int = 500) -> float:
+                  forks: int = 500) -> tuple[float, str]:
     """A reward's sample floor (:data:`FLOOR` "sample") in its own ``image``: CPU seconds per fork whose child scores
-    one of ``samples`` ((completion, example) pairs, in turn)."""
+    one of ``samples`` ((completion, example) pairs, in turn), and its split between the parent and the children
+    (CPU and page faults per fork, as text)."""
     spec = directory / f"floor_{function}.json"
     spec.write_text(json.dumps({"source": source, "function": function, "samples": samples}))
     out = client.containers.run(image, ["python3", "-c", FLOOR, "sample", "/floor/" + spec.name, str(forks)],
                                 entrypoint=[], remove=True, network_mode="none", user="65534",
                                 volumes={str(directory.resolve()): {"bind": "/floor", "mode": "ro"}})
-    return float(out.decode().strip().splitlines()[-1])
+    lines = out.decode().strip().splitlines()
+    split = ""
+    if len(lines) >= 2 and lines[-2].startswith("split "):
+        parent_s, parent_faults, child_s, child_faults = lines[-2].split()[1:5]
+        split = (f"parent {float(parent_s) * 1000:.2f} ms ({float(parent_faults):.0f} page faults), "
+                 f"child {float(child_s) * 1000:.2f} ms ({float(child_faults):.0f})")
+    return float(lines[-1]), split
 
 
 def _image(config, backend) -> Optional[str]:
@@ -247,21 +312,27 @@ def isolation_figures(client, directory: Path, base_image: str, make_config: Cal
         progress(f"(h) {label}, 1024 completions, isolation: sample")
         config = config_for(function, "sample", **extra)
         then = (lambda c: floors.update(isolated=_isolation_floor(c))) if function == "run_it" else None
+        split: dict = {}
         wall, cpu = _measure(client, config, make_backend(config, client), f"{function}_sample", completions, 3,
-                             then, columns)
+                             then, columns, split)
         progress(f"(h) {label}: its sample floor in its own image")
         reward_image = _image(config, make_backend(config, client))
         image = image or reward_image
         samples = [(c, {k: str(v[i]) for k, v in columns.items()}) for i, c in enumerate(completions)]
-        floor = _sample_floor(client, reward_image, directory, source, function, samples) if reward_image else None
+        floor, floor_split = (_sample_floor(client, reward_image, directory, source, function, samples)
+                              if reward_image else (None, ""))
         per_sample = cpu / 1000
         figures.append(figure(f"{label}, 1024 completions, isolation: sample (median of 3)",
                               f"{wall * 1000:.0f} ms, {per_sample * 1000:.2f} ms CPU a sample", "-", None))
+        if split:
+            shown = ", ".join(f"{role} {ms:.2f} ms ({faults:.0f} page faults)" for role, (ms, faults) in
+                              sorted(split.items(), key=lambda kv: -kv[1][0]))
+            figures.append(figure(f"{label}, isolation: sample, CPU a sample by process", shown, "-", None))
         if floor:
             ratio = per_sample / floor
             figures += [
                 figure(f"{label}: sample floor (fork of the imported reward, child scores one and answers)",
-                       f"{floor * 1000:.2f} ms CPU", "-", None),
+                       f"{floor * 1000:.2f} ms CPU" + (f": {floor_split}" if floor_split else ""), "-", None),
                 figure(f"{label}, isolation: sample, CPU per sample / its sample floor", f"{ratio:.2f}x",
                        "<= 1.5x", ratio <= 1.5),
             ]
