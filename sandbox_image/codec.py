@@ -12,18 +12,8 @@ evaluated; a result that does not parse exactly is the samples' ``invalid``, nev
     per sample: u8 status | u8 has value | f64 value | u32 error bytes | f32 seconds (NaN: unknown) | error (UTF-8)
     logs (UTF-8)
 
-Before any of it, the worker writes one byte, ``STARTED``, when it takes the request (before the function runs),
-so the server can tell a request that never ran from one whose worker died, and starts the deadline there.
-
-Streamed (``isolation: sample`` and ``process``), in one of two shapes, which the server knows before it sends the
-request (the template says whether its slot processes fork):
-
-- *forked* (``isolation: sample`` where slot processes fork: :mod:`.forked`): ``FORKING``, then per unit (a sample;
-  for batch style, the whole call), as soon as it is scored: any number of ``WAITED`` markers, its answer and a
-  trailer, ``CLEAN`` (the slot process goes on) or a :func:`retire_marker` (it must not serve again). The slot
-  process, which runs no reward code on data, writes all of it, and may report a crash;
-- *alone* (``isolation: process``, and ``sample`` where slot processes cannot fork): one answer, for the request's
-  one unit, which the process scored itself; nothing after it is read, and the process never serves again.
+The stream these answers travel in (the STARTED byte, and for ``isolation: sample`` and ``process`` the markers
+between answers) is :mod:`.stream`'s.
 """
 
 from __future__ import annotations
@@ -37,20 +27,6 @@ from typing import Optional, Sequence
 from ..wire import Outcome, Status
 from .records import ChunkResult, SampleBatch
 
-STARTED = b"S"
-FORKING = b"F"  # a forked request's first byte after STARTED: the slot process runs its units in children
-# A forked unit's trailer: the slot process may serve the next unit (CLEAN), or must retire (RETIRE, then the unit's
-# index and why: retire_marker)
-CLEAN = b"C"
-RETIRE = b"T"
-_MARKER = struct.Struct("<cIB")  # RETIRE, the unit's index in its request, length of the reason that follows
-MARKER_HEAD = _MARKER.size
-MAX_REASON = 120
-# In a forked request, before a unit's answer, any number of times: the unit's deadline moved by this many
-# milliseconds (its processes waited as long for a CPU that other samples held: .cpu_wait).
-WAITED = b"Q"
-_WAITED = struct.Struct("<cI")
-WAITED_SIZE = _WAITED.size
 MAGIC = b"RBX1"
 _HEADER = struct.Struct("<4sIQI")
 _SAMPLE = struct.Struct("<BBdIf")
@@ -76,18 +52,6 @@ _LENGTH = struct.Struct("<I")
 _SIZE = struct.Struct("<Q")
 _decode = json.JSONDecoder().decode
 SIZE_BYTES = _SIZE.size
-
-
-def retire_marker(index: int, reason: str) -> bytes:
-    """The trailer that tells the server that the slot process must not serve again after unit ``index``, and why."""
-    data = reason.encode("ascii", "backslashreplace")[:MAX_REASON]
-    return _MARKER.pack(RETIRE, index, len(data)) + data
-
-
-def parse_marker_head(head: bytes) -> tuple[int, int]:
-    """(unit index, reason length) from the first MARKER_HEAD bytes of a retire marker."""
-    _, index, length = _MARKER.unpack(head)
-    return index, length
 
 
 def encode_request(batch: SampleBatch, timeout_s: float, trainer_state: Optional[dict]) -> bytes:
@@ -242,16 +206,6 @@ def _seconds(value: float) -> Optional[float]:
     """A sample's own time as its process measured it (shown, never used to decide anything), or None when it is
     unknown (NaN) or not a time at all."""
     return value if math.isfinite(value) and 0 <= value <= MAX_SECONDS else None
-
-
-def waited(ms: int) -> bytes:
-    """The WAITED marker for a deadline moved by ``ms`` milliseconds."""
-    return _WAITED.pack(WAITED, ms)
-
-
-def waited_seconds(marker: bytes) -> float:
-    """How far a WAITED marker moves the unit's deadline, in seconds."""
-    return _WAITED.unpack(marker)[1] / 1000
 
 
 def decode_clean_units(data: bytearray, start: int, samples: int, units: int, max_log_bytes: int,

@@ -57,9 +57,10 @@ from typing import Callable, Optional
 
 from ..wire import Outcome, Status
 from . import codec, cpu_wait, import_effects, private_tmp, processes, run_requests, sockets
+from .stream import ChildMarker
 
 _LENGTH = struct.Struct("<I")
-DONE = b"D"  # the child wrote its answer
+DONE = ChildMarker.DONE  # the child wrote its answer
 # The child sets no timer of its own (:func:`.worker._timed`: three system calls and the pages they touch, in every
 # child): the slot process kills it at the unit's deadline, its timeout_s from the fork and this for the child's own
 # start (its fork and its sample's decoding take about a millisecond), and answers ``timeout``. Well under the

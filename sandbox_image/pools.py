@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from ..wire import HARD_TIMEOUT_MARGIN_S, Outcome, Status, TrainerState
-from . import codec, cpu_wait, memory_use
+from . import codec, cpu_wait, memory_use, stream
 from .channel import ChannelClosed, recv, send
 from .records import BatchResult, ChunkResult, FunctionInfo, SampleBatch, WorkerConfig
 
@@ -66,7 +66,7 @@ def _hung_or_crashed(done: Optional[ChunkResult], failed: Optional[Outcome]):
 
 
 MAX_CHUNK = 4096  # samples in one forked request
-WAITED_SLACK_S = 0.002  # a forked unit's deadline moves in whole milliseconds, rounded up (codec.WAITED)
+WAITED_SLACK_S = 0.002  # a forked unit's deadline moves in whole milliseconds, rounded up (stream.waited)
 OOM_TWICE = ("the kernel's OOM killer acted in this sandbox while it ran, in both of its attempts: the sandbox's "
              "memory ran out (this sample's processes, or other samples' beside it, filled it faster than the memory "
              "guard reads); raise `memory:` or lower `workers:` of the reward")
@@ -167,43 +167,27 @@ class _Ended(Exception):
     """The worker closed its end of the request's socket (or it was reset)."""
 
 
-class _Reader:
-    """Buffered reads of exact sizes from a request's socket, each within a deadline."""
+class _Receiver:
+    """What arrives on a request's socket, read within a deadline."""
 
     def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop):
-        self.sock, self.loop, self.buffer, self.pos = sock, loop, bytearray(), 0
+        self.sock, self.loop = sock, loop
 
-    def take(self, n: int) -> bytes:
-        data = bytes(self.buffer[self.pos:self.pos + n])
-        self.pos += n
-        return data
-
-    def peek(self) -> bytes:
-        return bytes(self.buffer[self.pos:self.pos + 1])
-
-    async def exactly(self, n: int, end: float) -> bytes:
-        """``n`` bytes, read by ``end`` (the loop's clock).
+    async def __call__(self, end: float) -> bytes:
+        """At least one byte, by ``end`` (the loop's clock).
 
         Raises: _Ended (end of stream), asyncio.TimeoutError."""
-        await self.fill(n, end)
-        return self.take(n)
-
-    async def fill(self, n: int, end: float) -> None:
-        """Waits until ``n`` bytes are buffered (same deadline and errors as :meth:`exactly`)."""
-        if len(self.buffer) - self.pos < n:
-            del self.buffer[:self.pos]
-            self.pos = 0
-            while len(self.buffer) < n:
-                try:
-                    chunk = self.sock.recv(max(_READ_CHUNK, n))
-                except (BlockingIOError, InterruptedError):
-                    await self._readable(end)
-                    continue
-                except OSError:  # reset by a dying worker
-                    raise _Ended() from None
-                if not chunk:
-                    raise _Ended()
-                self.buffer += chunk
+        while True:
+            try:
+                chunk = self.sock.recv(_READ_CHUNK)
+            except (BlockingIOError, InterruptedError):
+                await self._readable(end)
+                continue
+            except OSError:  # reset by a dying worker
+                raise _Ended() from None
+            if not chunk:
+                raise _Ended()
+            return chunk
 
     async def _readable(self, end: float) -> None:
         """Waits until the socket is readable, by ``end``. Forked, every sample's answer is waited for alone: this
@@ -609,87 +593,53 @@ class FunctionPool:
         if streamed.failed is not None:
             return streamed
         units = len(batch) if units is None else units
-        per_unit = len(batch) // units
-        reader = _Reader(ours, loop)
-        unit_s = self._hard_timeout(per_unit, timeout_s)
         forked = self._forks()
+        # The slot process moves a unit's deadline by what its processes waited for a CPU others held (cpu_wait),
+        # within cpu_wait.most_forgiven_s in all; this one moves with it, never further.
+        reader = stream.StreamReader(units, len(batch) // units, self.config.max_log_bytes, forked,
+                                     cpu_wait.most_forgiven_s(timeout_s) + WAITED_SLACK_S)
+        receive = _Receiver(ours, loop)
+        unit_s = self._hard_timeout(len(batch) // units, timeout_s)
+        deadline_s = loop.time() + unit_s  # each unit's answer and trailer, from the end of the last one
         try:
-            if not forked:  # the process scored its one unit itself (units is 1) and serves no other request
-                streamed.add(await self._frame(reader, per_unit, loop.time() + unit_s))
+            while reader.state is not stream.State.DONE:
+                event = reader.next()
+                if event is None:
+                    reader.feed(await receive(deadline_s))
+                elif isinstance(event, stream.Waited):
+                    deadline_s += event.seconds
+                elif isinstance(event, stream.Answered):
+                    for answer in event.results:
+                        streamed.add(answer)
+                    if event.clean:
+                        deadline_s = loop.time() + unit_s
+                elif event.reason is None:  # a CLEAN trailer
+                    deadline_s = loop.time() + unit_s
+                else:
+                    log.warning("reward %s: a slot process retires after sample %d of its request: %s", self.name,
+                                event.index, event.reason)
+                    streamed.retired = True
+                    return streamed
+            if not forked:  # the process scored its one unit itself and serves no other request
                 streamed.retired = True
                 return streamed
-            if await reader.exactly(1, loop.time() + unit_s) != codec.FORKING:
-                raise codec.MalformedResult("a forked request's answer did not start with its FORKING byte")
-            k = 0
-            moved = -1.0  # how far the running unit's deadline moved (-1: a new unit, whose deadline is not set)
-            while k < units:
-                if moved < 0:
-                    deadline_s = loop.time() + unit_s  # each unit's answer and trailer, from the end of the last one
-                    moved = 0.0
-                await reader.fill(1, deadline_s)
-                clean, reader.pos = codec.decode_clean_units(reader.buffer, reader.pos, per_unit, units - k,
-                                                             self.config.max_log_bytes, codec.CLEAN[0], True)
-                if clean:  # what has arrived of the clean units, at once
-                    for answer in clean:
-                        streamed.add(answer)
-                    k += len(clean)
-                    moved = -1.0
-                    continue
-                if reader.peek() == codec.WAITED:
-                    # The slot process moved the unit's deadline (its processes waited for a CPU others held:
-                    # cpu_wait), within cpu_wait.most_forgiven_s in all; this one moves with it, never further.
-                    later = codec.waited_seconds(await reader.exactly(codec.WAITED_SIZE, deadline_s))
-                    if moved + later > cpu_wait.most_forgiven_s(timeout_s) + WAITED_SLACK_S:
-                        raise codec.MalformedResult(f"the unit's deadline moved {moved + later:.3f} s, more than "
-                                                    f"timeout_s={timeout_s:g} allows")
-                    moved += later
-                    deadline_s += later
-                    continue
-                streamed.add(await self._frame(reader, per_unit, deadline_s, forked=True))
-                try:
-                    trailer = await reader.exactly(1, deadline_s)
-                except (asyncio.TimeoutError, _Ended) as e:
-                    # The unit's answer came whole, sent once its processes were gone and its /tmp emptied: what
-                    # stopped or ended the slot process before the trailer (the kernel's OOM killer, the memory
-                    # guard) is no unit's doing. It retires; the units after it were never started and go back to
-                    # the queue.
-                    if isinstance(e, asyncio.TimeoutError):
-                        self._kill(request, timeout_s)
-                    streamed.retired = True
-                    return streamed
-                if trailer != codec.CLEAN:
-                    if trailer != codec.RETIRE:
-                        raise codec.MalformedResult(f"{trailer!r} came where a unit's trailer belongs")
-                    index, length = codec.parse_marker_head(
-                        trailer + await reader.exactly(codec.MARKER_HEAD - 1, deadline_s))
-                    reason = (await reader.exactly(length, deadline_s)).decode("ascii", "replace")
-                    log.warning("reward %s: a slot process retires after sample %d of its request: %s", self.name,
-                                index, reason)
-                    streamed.retired = True
-                    return streamed
-                k += 1
-                moved = -1.0
-        except asyncio.TimeoutError:
-            streamed.failed = self._kill(request, timeout_s)
-        except _Ended:
-            streamed.failed = await self._died(request)
+        except (asyncio.TimeoutError, _Ended) as e:
+            timed_out = isinstance(e, asyncio.TimeoutError)
+            if reader.state is stream.State.TRAILER:
+                # The unit's answer came whole, sent once its processes were gone and its /tmp emptied: what
+                # stopped or ended the slot process before the trailer (the kernel's OOM killer, the memory
+                # guard) is no unit's doing. It retires; the units after it were never started and go back to
+                # the queue.
+                if timed_out:
+                    self._kill(request, timeout_s)
+                streamed.retired = True
+                return streamed
+            streamed.failed = self._kill(request, timeout_s) if timed_out else await self._died(request)
         except codec.MalformedResult as e:
             streamed.failed = Outcome.failed(Status.INVALID, f"malformed answer from the worker: {e}")
         if streamed.failed is not None or len(streamed.answered) < units:
             streamed.retired = True
         return streamed
-
-    async def _frame(self, reader: "_Reader", samples: int, deadline_s: float, forked: bool = False) -> ChunkResult:
-        """One unit's answer, by ``deadline_s`` (the loop's clock), piece by piece, each length checked before it is
-        waited for (clean units that arrived whole are parsed at once by codec.decode_clean_units)."""
-        header = await reader.exactly(codec.HEADER_SIZE, deadline_s)
-        count, log_length = codec.frame_header(header, samples, self.config.max_log_bytes)
-        parts = [header]
-        for _ in range(count):
-            fixed = await reader.exactly(codec.SAMPLE_SIZE, deadline_s)
-            parts += [fixed, await reader.exactly(codec.sample_error_length(fixed), deadline_s)]
-        parts.append(await reader.exactly(log_length, deadline_s))
-        return codec.decode_result(b"".join(parts), samples, self.config.max_log_bytes, forked)
 
     async def _exchange(self, ours: socket.socket, request: int, batch: SampleBatch, timeout_s: float,
                         state: Optional[dict]):
@@ -756,7 +706,7 @@ class FunctionPool:
                 continue
             except OSError:  # the template went away holding the other end
                 return None
-            return byte if byte == codec.STARTED else None
+            return byte if byte == stream.Marker.STARTED else None
 
     async def _read_answer(self, ours: socket.socket, samples: int, limit: int) -> bytes:
         """The answer's bytes: up to the length it declares (or EOF, or ``limit``, whichever comes first)."""

@@ -39,13 +39,13 @@ from typing import Any, Callable, Optional
 
 from ..wire import Outcome, Status, trainer_state_from_dict
 from . import (codec, cpu_wait, execution, forked, import_effects, private_tmp, processes, run_requests, seccomp,
-               sockets, worker)
+               sockets, stream, worker)
 from .channel import ChannelClosed, optional_fd, recv
 from .processes import die_with_parent, empty, kill_uid, remove_ipc
 from .records import SampleBatch
 
-READY = b"R"  # followed by the IPC mark (u64)
-FAILED = b"F"  # followed by why (UTF-8, at most MAX_REASON bytes), before the process exits
+READY = stream.SlotMarker.READY  # followed by the IPC mark (u64)
+FAILED = stream.SlotMarker.FAILED  # followed by why (UTF-8, at most MAX_REASON bytes), before the process exits
 MAX_REASON = 2000
 _MARK = struct.Struct("<Q")
 READY_SIZE = 1 + _MARK.size
@@ -241,7 +241,7 @@ def _handle(loaded: worker.Loaded, fd: int) -> None:
 
     sock = socket.socket(fileno=fd)
     sock.setblocking(True)
-    sock.sendall(codec.STARTED)
+    sock.sendall(stream.Marker.STARTED)
     request = _receive_blocking(sock)
     batch, timeout_s, state = _whole(request)
     cpu_wait.begin_request()
@@ -335,7 +335,7 @@ def _score_forked(loaded: worker.Loaded, sock: socket.socket, request: codec.Req
     trainer_state = _trainer_state(request)
     timeout_s, max_log_bytes = request.timeout_s, loaded.config.max_log_bytes
     try:
-        sock.sendall(codec.FORKING)
+        sock.sendall(stream.Marker.FORKING)
         forker.arm()
         for k, indices in enumerate(_units(loaded, request)):
             def score(indices=indices) -> bytes:  # in the child
@@ -347,10 +347,10 @@ def _score_forked(loaded: worker.Loaded, sock: socket.socket, request: codec.Req
                 return codec.encode_result(outcomes, logs, dropped, max_log_bytes, time.perf_counter() - started)
 
             def send(answer, retire: Optional[str], k: int = k) -> None:
-                forked.send_with_trailer(sock, answer, codec.retire_marker(k, retire) if retire else codec.CLEAN)
+                forked.send_with_trailer(sock, answer, stream.retire(k, retire) if retire else stream.Marker.CLEAN)
 
             def waited(ms: int) -> None:
-                sock.sendall(codec.waited(ms))
+                sock.sendall(stream.waited(ms))
 
             if forker.run(score, len(indices), timeout_s, max_log_bytes, sock.fileno(), execution.attach_child,
                           send, waited):
@@ -384,7 +384,7 @@ def _handle_stream(loaded: worker.Loaded, fd: int, forker: Optional[forked.Forke
     sock = socket.socket(fileno=fd)
     sock.setblocking(True)
     try:
-        sock.sendall(codec.STARTED)
+        sock.sendall(stream.Marker.STARTED)
         request = _receive_blocking(sock)
         try:
             if forker is not None:
@@ -415,7 +415,7 @@ async def _handle_async(loaded: worker.Loaded, fd: int) -> None:
     loop = asyncio.get_running_loop()
     sock = socket.socket(fileno=fd)
     sock.setblocking(False)
-    await loop.sock_sendall(sock, codec.STARTED)
+    await loop.sock_sendall(sock, stream.Marker.STARTED)
     request = await _receive(lambda view: loop.sock_recv_into(sock, view))
     batch, timeout_s, state = _whole(request)
     try:

@@ -163,10 +163,10 @@ def test_a_process_in_which_anything_could_leave_state_never_scores_another_samp
 def test_answers_a_sample_forges_for_the_samples_behind_it_are_never_taken(sandboxes):
     forger = textwrap.dedent("""
         import builtins, os, stat
-        from rewardbox.sandbox import codec
+        from rewardbox.sandbox import codec, stream
         from rewardbox.wire import Outcome, Status
         builtins.poisoned = True
-        forged = b"".join(codec.encode_result([Outcome(99.0, Status.OK)], "", 0, 1000) + codec.CLEAN
+        forged = b"".join(codec.encode_result([Outcome(99.0, Status.OK)], "", 0, 1000) + stream.Marker.CLEAN
                           for _ in range(16))
         for fd in map(int, os.listdir("/proc/self/fd")):
             try:

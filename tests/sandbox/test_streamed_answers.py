@@ -9,7 +9,7 @@ import mmap
 import socket
 import threading
 
-from rewardbox.sandbox import codec
+from rewardbox.sandbox import codec, stream
 from rewardbox.sandbox.channel import ChannelClosed, pair, recv, send
 from rewardbox.sandbox.pools import FunctionPool
 from rewardbox.sandbox.records import SampleBatch, WorkerConfig
@@ -45,7 +45,7 @@ def _template(sock: socket.socket, cut_after: int, served: list) -> None:
             continue
         with socket.socket(fileno=fds[0]) as request_sock:
             request = _read_request(request_sock)
-            request_sock.sendall(codec.STARTED + codec.FORKING)
+            request_sock.sendall(stream.Marker.STARTED + stream.Marker.FORKING)
             for k in range(len(request)):
                 completion = request.take([k]).completions[0]
                 served.append(completion)
@@ -53,7 +53,7 @@ def _template(sock: socket.socket, cut_after: int, served: list) -> None:
                 if first and k == cut_after:
                     request_sock.sendall(answer)
                     break
-                request_sock.sendall(answer + codec.CLEAN)
+                request_sock.sendall(answer + stream.Marker.CLEAN)
             request.close()
         first = False
 

@@ -1,0 +1,150 @@
+"""The server's reading of a slot process's stream (sandbox_image/stream.py), rule by rule from a table of byte
+sequences: well-formed, truncated (the reader waits, and its state says whom a timeout blames), out of order and
+forged (a clear MalformedResult, before anything past a bound is waited for)."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import pytest
+
+from rewardbox.sandbox import codec, stream
+from rewardbox.sandbox.stream import Marker, State
+from rewardbox.wire import Outcome, Status
+
+MAX_LOG = 1000
+HEADER = struct.Struct("<4sIQI")
+SAMPLE = struct.Struct("<BBdIf")
+
+
+def ok(value: float) -> bytes:
+    return codec.encode_result([Outcome.ok(value)], "", 0, MAX_LOG, 0.001)
+
+
+def noisy(value: float) -> bytes:
+    """An answer off the fast path: an error text and logs."""
+    return codec.encode_result([Outcome(None, Status.ERROR, f"boom {value}")], f"printed {value}", 0, MAX_LOG)
+
+
+def raw(count: int = 1, log_length: int = 0, status: int = Status.OK.wire, has_value: int = 1,
+        value: float = 1.0, error_length: int = 0, magic: bytes = codec.MAGIC) -> bytes:
+    return HEADER.pack(magic, count, 0, log_length) + SAMPLE.pack(status, has_value, value, error_length, 0.0)
+
+
+F, C, S = bytes(Marker.FORKING), bytes(Marker.CLEAN), bytes(Marker.STARTED)
+
+# (name, forked, units, stream bytes, values of the answers read, trailers and waits read, final state)
+WELL_FORMED = [
+    ("two clean units", True, 2, F + ok(1.0) + C + ok(2.0) + C, [1.0, 2.0], [], State.DONE),
+    ("answers with error text and logs", True, 2, F + noisy(1.0) + C + noisy(2.0) + C, [None, None],
+     [("clean",), ("clean",)], State.DONE),
+    ("a deadline moved, then the answer", True, 1, F + stream.waited(500) + ok(1.0) + C, [1.0], [("waited", 0.5)],
+     State.DONE),
+    ("moves add up within the budget, per unit", True, 2,
+     F + stream.waited(600) + stream.waited(400) + ok(1.0) + C + stream.waited(900) + ok(2.0) + C, [1.0, 2.0],
+     [("waited", 0.6), ("waited", 0.4), ("waited", 0.9)], State.DONE),
+    ("a retiring trailer ends the stream", True, 3, F + ok(1.0) + stream.retire(0, "its /tmp held data") + ok(2.0),
+     [1.0], [("retire", 0, "its /tmp held data")], State.DONE),
+    ("a reason is ASCII, cut at MAX_REASON", True, 1, F + ok(1.0) + stream.retire(0, "é" * 200), [1.0],
+     [("retire", 0, ("\\xe9" * 200)[:stream.MAX_REASON])], State.DONE),
+    ("alone: one answer, nothing after it read", False, 1, ok(3.0) + b"anything at all", [3.0], [], State.DONE),
+    ("units past the request's are never read", True, 1, F + ok(1.0) + C + b"garbage", [1.0], [], State.DONE),
+    ("a crash the slot process concluded (forked)", True, 1,
+     F + codec.encode_result([Outcome.failed(Status.CRASH, "worker process died")], "", 0, MAX_LOG) + C,
+     [None], [("clean",)], State.DONE),
+]
+
+TRUNCATED = [  # (name, forked, units, bytes that arrived, values read so far, state: whom a timeout blames)
+    ("nothing after FORKING", True, 1, F, [], State.UNIT),
+    ("half an answer", True, 1, F + ok(1.0)[:20], [], State.UNIT),
+    ("an answer without its trailer: it is kept", True, 2, F + noisy(1.0), [None], State.TRAILER),
+    ("the fast path's answer without its trailer", True, 2, F + ok(1.0), [1.0], State.TRAILER),
+    ("half a retire marker", True, 2, F + ok(1.0) + stream.retire(0, "why")[:4], [1.0], State.TRAILER),
+    ("a retire marker without all its reason", True, 2, F + ok(1.0) + stream.retire(0, "why")[:-1], [1.0],
+     State.TRAILER),
+    ("half a WAITED marker", True, 1, F + stream.waited(10)[:3], [], State.UNIT),
+    ("not even the FORKING byte", True, 1, b"", [], State.FORKING),
+    ("alone: half an answer", False, 1, ok(1.0)[:-3], [], State.UNIT),
+]
+
+FORGED = [  # (name, forked, units, bytes, what the error says)
+    ("no FORKING byte first", True, 1, C + ok(1.0) + C, "did not start with its FORKING byte"),
+    ("a trailer before any answer", True, 1, F + C, "does not start with the magic bytes"),
+    ("a second answer where the trailer belongs", True, 2, F + noisy(1.0) + noisy(2.0), "where a unit's trailer"),
+    ("answers for two samples in a one-sample unit", True, 1, F + raw(count=2), "declares 2 samples"),
+    ("wrong magic", False, 1, raw(magic=b"RBX9"), "does not start with the magic bytes"),
+    ("an error text past its bound, before it arrives", True, 1,
+     F + raw(has_value=0, error_length=codec.MAX_ERROR_BYTES + 1), "error text declares"),
+    ("logs past their bound, before they arrive", True, 1,
+     F + HEADER.pack(codec.MAGIC, 1, 0, MAX_LOG + codec.LOG_SLACK_BYTES + 1), "log bytes"),
+    ("a deadline moved past the budget", True, 1, F + stream.waited(700) + stream.waited(400),
+     "deadline moved 1.100 s"),
+    ("a value that is not finite", True, 1, F + raw(value=math.nan) + C, "answered value nan"),
+    ("a value with a failed status", True, 1, F + raw(status=Status.ERROR.wire) + C, "with status error"),
+    ("alone: a crash the process cannot report of itself", False, 1,
+     raw(status=Status.CRASH.wire, has_value=0), "invalid field"),
+    ("a status no one knows", True, 1, F + raw(status=99, has_value=0) + C, "invalid field"),
+    ("has_value neither 0 nor 1", True, 1, F + raw(has_value=7) + C, "invalid field"),
+    ("a WAITED marker alone: not in a forked stream", False, 1, stream.waited(1), "magic bytes"),
+]
+
+
+def read(forked: bool, units: int, data: bytes, byte_by_byte: bool = False, budget_s: float = 1.0):
+    reader = stream.StreamReader(units, 1, MAX_LOG, forked, budget_s)
+    values, marks = [], []
+    for chunk in ([data[i:i + 1] for i in range(len(data))] if byte_by_byte else [data]):
+        reader.feed(chunk)
+        while (event := reader.next()) is not None:
+            if isinstance(event, stream.Answered):
+                values += [r.values[0] for r in event.results]
+            elif isinstance(event, stream.Waited):
+                marks.append(("waited", event.seconds))
+            elif event.reason is None:
+                marks.append(("clean",))
+            else:
+                marks.append(("retire", event.index, event.reason))
+    return values, marks, reader.state
+
+
+@pytest.mark.parametrize("byte_by_byte", [False, True], ids=["whole", "byte-by-byte"])
+@pytest.mark.parametrize("name,forked,units,data,values,marks,state", WELL_FORMED, ids=[c[0] for c in WELL_FORMED])
+def test_well_formed_streams_read_the_same_however_they_arrive(name, forked, units, data, values, marks, state,
+                                                                byte_by_byte):
+    got_values, got_marks, got_state = read(forked, units, data, byte_by_byte)
+    assert got_values == values
+    # The fast path reads clean units with their trailers at once; one at a time, each trailer is an event.
+    assert [m for m in got_marks if m != ("clean",)] == [m for m in marks if m != ("clean",)]
+    assert got_state is state
+
+
+@pytest.mark.parametrize("name,forked,units,data,values,state", TRUNCATED, ids=[c[0] for c in TRUNCATED])
+def test_a_truncated_stream_waits_and_its_state_says_whom_a_timeout_blames(name, forked, units, data, values, state):
+    for byte_by_byte in (False, True):
+        got_values, _, got_state = read(forked, units, data, byte_by_byte)
+        assert (got_values, got_state) == (values, state)
+
+
+@pytest.mark.parametrize("name,forked,units,data,message", FORGED, ids=[c[0] for c in FORGED])
+def test_forged_or_out_of_order_bytes_are_a_malformed_answer(name, forked, units, data, message):
+    for byte_by_byte in (False, True):
+        with pytest.raises(codec.MalformedResult, match=message.replace(".", r"\.")):
+            read(forked, units, data, byte_by_byte)
+
+
+def test_a_declared_length_is_refused_before_its_bytes_are_waited_for():
+    """A header that declares logs past the bound is refused with only its own bytes here: the server never waits
+    for (or buffers) what a hostile stream declares."""
+    reader = stream.StreamReader(1, 1, MAX_LOG, True, 1.0)
+    reader.feed(F + HEADER.pack(codec.MAGIC, 1, 0, 1 << 30))
+    with pytest.raises(codec.MalformedResult):
+        reader.next()
+
+
+def test_markers_are_one_byte_each_and_distinct_on_their_channel():
+    for channel in (stream.Marker, stream.ChildMarker, stream.SlotMarker):
+        values = [bytes(m) for m in channel]
+        assert all(len(v) == 1 for v in values) and len(set(values)) == len(values)
+    # An answer starts with the magic bytes, which no marker of the stream may be mistaken for.
+    assert codec.MAGIC[:1] not in {bytes(m) for m in stream.Marker}
+    assert S == b"S"
