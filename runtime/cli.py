@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
@@ -152,7 +152,7 @@ def score(
 
     rows = []
     for i in range(len(wire)):
-        row = {"index": i, "scores": {}, "status": {}, "errors": {}, "total": None}
+        row: dict[str, Any] = {"index": i, "scores": {}, "status": {}, "errors": {}, "total": None}
         for r in rewards:
             report = reports[r.name][i // batch_size]
             j = i % batch_size
@@ -211,6 +211,7 @@ def build(
                               + (f"  system packages: {', '.join(system)}" if system else ""))
             tags.append(tag)
         if push:
+            assert registry is not None  # checked above: --push comes with --registry
             service = builder.ensure_service(docker_settings, force=force)
             out_console.print(f"{service}  the service image (`rewardbox serve`)")
             for tag in [*tags, service]:
@@ -444,6 +445,7 @@ def report(
     except OSError as e:
         raise fail(f"--listen {listen}: cannot listen there ({e}); pick another port") from None
     host, port = server.server_address[:2]
+    assert isinstance(host, str)  # an IP server's address is (host, port, ...); bytes only name AF_UNIX sockets
     address = f"http://{'[' + host + ']' if ':' in host else host}:{port}/"
     out_console.print(f"rewardbox report on {address}{'?token=<the token>' if token else ''} (Ctrl-C stops it)")
     _sigterm_as_interrupt()

@@ -25,7 +25,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import docker.errors
 import docker.utils
@@ -263,7 +263,8 @@ def _reward_manifests(config: RewardboxConfig, index: int, reward: RewardSpec, i
 
     resources = {"cpu": _cpu_quantity(reward.cpus), "memory": quantity(reward.memory, f"reward {reward.name!r}: "
                                                                                        "memory")}
-    mounts = [{"name": "socket", "mountPath": SOCKET_DIR_IN_CONTAINER}, {"name": "scratch", "mountPath": SCRATCH}]
+    mounts: list[dict[str, Any]] = [{"name": "socket", "mountPath": SOCKET_DIR_IN_CONTAINER},
+                                    {"name": "scratch", "mountPath": SCRATCH}]
     volumes = [
         {"name": "socket", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
         # Each slot's scratch directory and its programs' (rewardbox.sandbox.run); like the docker backend's tmpfs
@@ -488,12 +489,13 @@ _CONTAINERS = {"sandbox", "gateway", "socket-dir"}
 
 def _with_comments(text: str) -> str:
     """``text`` with _COMMENTS inserted; unchanged if that would change what it parses to (a block scalar)."""
-    out, container = [], None
+    out: list[str] = []
+    container: Optional[str] = None
     for line in text.splitlines(keepends=True):
         stripped = line.strip()
         if stripped.startswith("- name: ") and stripped[len("- name: "):] in _CONTAINERS:
             container = stripped[len("- name: "):]
-        comment = _COMMENTS.get((container, stripped))
+        comment = _COMMENTS.get((container, stripped)) if container is not None else None
         if comment:
             indent = line[: len(line) - len(line.lstrip())]
             out += [f"{indent}# {c}\n" for c in comment]

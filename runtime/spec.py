@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional, overload
 
 import yaml
 from packaging.requirements import InvalidRequirement, Requirement
@@ -29,6 +29,9 @@ from pydantic import (
 from .registry import AUTO, backend_names, backend_type
 from .errors import ConfigError
 from .wire import DEFAULT_CONCURRENCY, DEFAULT_MAX_LOG_BYTES, DEFAULT_WORKERS
+
+if TYPE_CHECKING:
+    from .backends.docker import DockerSettings
 
 _NAME = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
 _BYTE_UNITS = {"b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}  # Docker's: powers of 1024
@@ -220,6 +223,11 @@ class SandboxSettings(_Strict):
             raise ValueError(f"no backend named {name!r}{hint} (registered: {AUTO}, {', '.join(names)})")
         return name
 
+    @overload
+    def backend_settings(self, name: Literal["docker"]) -> DockerSettings: ...
+    @overload
+    def backend_settings(self, name: str) -> BaseModel: ...
+
     def backend_settings(self, name: str) -> BaseModel:
         """The typed settings section of backend ``name``: as configured, else its defaults."""
         section = getattr(self, name, None)
@@ -228,7 +236,7 @@ class SandboxSettings(_Strict):
 
 @lru_cache(maxsize=None)
 def _sandbox_model(names: tuple[str, ...]) -> type[SandboxSettings]:
-    sections = {name: (Optional[backend_type(name).settings_type], None) for name in names}
+    sections: dict[str, Any] = {name: (Optional[backend_type(name).settings_type], None) for name in names}
     return create_model("SandboxSettings", __base__=SandboxSettings, __module__=__name__, **sections)
 
 

@@ -15,7 +15,7 @@ import socket
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal, Optional, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence
 
 import docker
 import docker.errors
@@ -185,7 +185,7 @@ class DockerBackend:
         self.settings = settings or DockerSettings()
         self._owns_client = client is None
         self.client = client or engine_client()
-        kwargs = {"on_output": on_output} if on_output else {}
+        kwargs: dict[str, Any] = {"on_output": on_output} if on_output else {}
         self.builder = builder or ImageBuilder(self.client, self.settings.cache_dir, **kwargs)
         self.run_id = uuid.uuid4().hex[:10]
         self.images: dict[tuple, str] = {}
