@@ -54,7 +54,8 @@ class _Watch:
     def __call__(self, event: str, args: tuple) -> None:
         if event != "sys.addaudithook" or not self.armed:
             return
-        frame, where = sys._getframe(1), ""
+        frame: Optional[types.FrameType] = sys._getframe(1)
+        where = ""
         while frame is not None:
             if frame.f_code.co_filename == self.filename:
                 where = f"{self.filename}:{frame.f_lineno}"
