@@ -348,7 +348,7 @@ def _timed(call: Callable[[], Any], timeout_s: Optional[float]) -> tuple:
         return None, _error(e)
 
 
-def _run_sync(loaded: Loaded, batch: SampleBatch, timeout_s: float, state: Optional[TrainerState]) -> list:
+def _run_sync(loaded: Loaded, batch: SampleBatch, timeout_s: Optional[float], state: Optional[TrainerState]) -> list:
     def timed(call: Callable[[], Any]) -> tuple:
         return _timed(call, timeout_s)
 
@@ -369,11 +369,12 @@ def _guarded_batch(value: Any, n: int) -> list:
         return [_error(e)] * n
 
 
-async def _await_bounded(coro, timeout_s: float) -> tuple:
+async def _await_bounded(coro, timeout_s: Optional[float]) -> tuple:
     import asyncio
     task = asyncio.ensure_future(coro)
     done, _ = await asyncio.wait({task}, timeout=timeout_s)
     if not done:
+        assert timeout_s is not None  # without a timeout, wait returns only once the task is done
         task.cancel()
         return None, _timeout(timeout_s)
     try:
@@ -382,7 +383,8 @@ async def _await_bounded(coro, timeout_s: float) -> tuple:
         return None, _error(e)
 
 
-async def _run_async(loaded: Loaded, batch: SampleBatch, timeout_s: float, state: Optional[TrainerState]) -> list:
+async def _run_async(loaded: Loaded, batch: SampleBatch, timeout_s: Optional[float],
+                     state: Optional[TrainerState]) -> list:
     import asyncio
     if loaded.config.style == "batch":
         try:
@@ -449,16 +451,19 @@ def score_sample(loaded: Loaded, batch: SampleBatch, i: int, timeout_s: Optional
     return outcome, sink.text(), sink.dropped
 
 
-def score(loaded: Loaded, batch: SampleBatch, timeout_s: float, state: Optional[TrainerState]) -> tuple:
-    """Scores a request's samples with a sync function. Returns (outcomes, logs, dropped characters)."""
+def score(loaded: Loaded, batch: SampleBatch, timeout_s: Optional[float], state: Optional[TrainerState]) -> tuple:
+    """Scores a request's samples with a sync function. Returns (outcomes, logs, dropped characters).
+    ``timeout_s`` None: no timer (a forked child, which its slot process ends at the deadline)."""
     with _captured(loaded.config.max_log_bytes) as sink:
         outcomes = _run_sync(loaded, batch, timeout_s, state)
     return outcomes, sink.text(), sink.dropped
 
 
-async def score_async(loaded: Loaded, batch: SampleBatch, timeout_s: float, state: Optional[TrainerState]) -> tuple:
+async def score_async(loaded: Loaded, batch: SampleBatch, timeout_s: Optional[float],
+                      state: Optional[TrainerState]) -> tuple:
     """Scores a request's samples with an async function on the running loop. Returns (outcomes, logs,
-    dropped characters). Output is captured per request only where one request runs at a time."""
+    dropped characters). Output is captured per request only where one request runs at a time. ``timeout_s``
+    None: no timer."""
     with _captured(loaded.config.max_log_bytes) as sink:
         outcomes = await _run_async(loaded, batch, timeout_s, state)
     return outcomes, sink.text(), sink.dropped
