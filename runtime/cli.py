@@ -192,7 +192,7 @@ def build(
 ) -> None:
     """Build the sandbox images a config needs (one per distinct package set); cached by content hash."""
     _setup_logging(False)
-    from .backends.docker import engine_client
+    from .backends.docker import docker_settings, engine_client
     from .image import ImageBuilder, registry_reference
 
     try:
@@ -202,17 +202,16 @@ def build(
         if registry is not None:
             registry_reference(registry, "check")  # a malformed registry fails before anything is built
         cfg = load_config(config)
-        docker_settings = cfg.sandbox.backend_settings("docker")
-        builder = ImageBuilder(engine_client(), docker_settings.cache_dir, on_output=_progress_printer())
+        settings = docker_settings(cfg.sandbox)
+        builder = ImageBuilder(engine_client(), settings.cache_dir, on_output=_progress_printer())
         tags = []
-        for (packages, system), (tag, owners) in builder.ensure_images(cfg.rewards, docker_settings,
-                                                                       force=force).items():
+        for (packages, system), (tag, owners) in builder.ensure_images(cfg.rewards, settings, force=force).items():
             out_console.print(f"{tag}  rewards: {', '.join(owners)}  packages: {', '.join(packages) or '-'}"
                               + (f"  system packages: {', '.join(system)}" if system else ""))
             tags.append(tag)
         if push:
             assert registry is not None  # checked above: --push comes with --registry
-            service = builder.ensure_service(docker_settings, force=force)
+            service = builder.ensure_service(settings, force=force)
             out_console.print(f"{service}  the service image (`rewardbox serve`)")
             for tag in [*tags, service]:
                 out_console.print(f"pushed {builder.push(tag, registry)}", highlight=False, soft_wrap=True)

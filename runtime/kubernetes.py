@@ -32,7 +32,7 @@ import docker.utils
 import yaml
 
 from .backends.containers import SOCKET_DIR_IN_CONTAINER, SOCKET_NAME, ContainerSpec, is_gvisor
-from .backends.docker import NOBODY, slot_plan
+from .backends.docker import NOBODY, docker_settings, slot_plan
 from .errors import ConfigError
 from .image import image_key, registry_reference
 from .service import DRAIN_GRACE_S, TOKEN_ENV
@@ -134,7 +134,7 @@ def _options(config: RewardboxConfig, namespace: Optional[str], runtime_class: O
             or not _LABEL_VALUE.match(value):
         raise ConfigError(f"--trainer-label {trainer_label!r}: expected KEY=VALUE, a Kubernetes label of the "
                           f"trainer pods, e.g. {DEFAULT_TRAINER_LABEL}")
-    runtime = config.sandbox.backend_settings("docker").runtime
+    runtime = docker_settings(config.sandbox).runtime
     names: dict[str, str] = {}
     by_name: dict[str, str] = {}
     for i, reward in enumerate(config.rewards):
@@ -243,7 +243,7 @@ def _reward_manifests(config: RewardboxConfig, index: int, reward: RewardSpec, i
     if image is None:
         raise ConfigError(f"reward {reward.name!r}: no sandbox image was given for its packages {reward.packages} "
                           f"and system packages {reward.system_packages}")
-    settings = config.sandbox.backend_settings("docker")
+    settings = docker_settings(config.sandbox)
     runtime = settings.runtime
     plan = slot_plan(reward, runtime)
     spec = ContainerSpec(image=image, name=name, server_uid=NOBODY, slot_uids=(POD_SLOT_UID_BASE, plan.slots),
@@ -524,7 +524,7 @@ def image_tags(config: RewardboxConfig) -> Images:
     from .backends.docker import engine_client
     from .image import ImageBuilder
 
-    settings = config.sandbox.backend_settings("docker")
+    settings = docker_settings(config.sandbox)
     client = engine_client()
     try:
         builder = ImageBuilder(client, settings.cache_dir)

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional, overload
+from typing import Any, Literal, Mapping, Optional
 
 import yaml
 from packaging.requirements import InvalidRequirement, Requirement
@@ -29,9 +29,6 @@ from pydantic import (
 from .registry import AUTO, backend_names, backend_type
 from .errors import ConfigError
 from .wire import DEFAULT_CONCURRENCY, DEFAULT_MAX_LOG_BYTES, DEFAULT_WORKERS
-
-if TYPE_CHECKING:
-    from .backends.docker import DockerSettings
 
 _NAME = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
 _BYTE_UNITS = {"b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}  # Docker's: powers of 1024
@@ -222,11 +219,6 @@ class SandboxSettings(_Strict):
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"no backend named {name!r}{hint} (registered: {AUTO}, {', '.join(names)})")
         return name
-
-    @overload
-    def backend_settings(self, name: Literal["docker"]) -> DockerSettings: ...
-    @overload
-    def backend_settings(self, name: str) -> BaseModel: ...
 
     def backend_settings(self, name: str) -> BaseModel:
         """The typed settings section of backend ``name``: as configured, else its defaults."""

@@ -24,7 +24,7 @@ from pydantic import Field
 from .. import apparmor
 from ..errors import BackendError, ConfigError
 from ..image import IMAGE_REPO, ImageBuilder, image_key
-from ..spec import RewardSpec
+from ..spec import RewardSpec, SandboxSettings
 from ..wire import DEFAULT_WARM, GVISOR_WARM, SLOT_UID_BASE, sandbox_slots
 from .base import BackendSettings, reward_environment
 from .containers import LABEL, ContainerSpec, DockerSandbox, is_gvisor, remove_leftovers
@@ -111,6 +111,13 @@ class DockerSettings(BackendSettings):
     system_packages_from: Literal["host", "build"] = Field(
         default="host", description="host: the host's apt-get downloads rewards' system_packages for the base image "
         "(the image build needs no network); build: the image build runs apt-get with the engine's default network")
+
+
+def docker_settings(sandbox: SandboxSettings) -> DockerSettings:
+    """``sandbox.docker``: as configured, else its defaults (``backend_settings("docker")``, typed)."""
+    settings = sandbox.backend_settings("docker")
+    assert isinstance(settings, DockerSettings)  # the settings type this backend registers
+    return settings
 
 
 def confines_with_apparmor(engine_info: dict) -> bool:
