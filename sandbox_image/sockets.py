@@ -227,7 +227,7 @@ class UnixSockets:
         own = None
         while True:
             try:
-                inodes = self.listed()  # None once a failed dump could not open its socket again: a failed dump
+                inodes = self.listed()  # None where a failed dump could not open its socket again: failed too
             except OSError:
                 inodes = None
             left = None if inodes is None else inodes - self.passed
