@@ -10,7 +10,7 @@ is ``'3'``, ``[1, 2]`` is ``'[1, 2]'``: ``ast.literal_eval`` recovers them). Sta
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 
 def stringify(value: Any) -> str:
@@ -51,7 +51,7 @@ def _portable(value: Any) -> Any:
     return value if json_problem(value) is None else stringify(value)
 
 
-def encode_columns(columns: dict, i: int) -> str:
+def encode_columns(columns: Mapping, i: int) -> str:
     """Sample ``i``'s columns as the wire's JSON object (``columns`` maps name to one value per sample)."""
     if not columns:
         return ""

@@ -24,7 +24,8 @@ class Status(str, enum.Enum):
     def __str__(self) -> str:  # "ok", not "Status.OK", in messages and f-strings
         return self.value
 
-    __format__ = str.__format__
+    def __format__(self, format_spec: str) -> str:  # the value, as __str__, under any format spec
+        return str.__format__(self, format_spec)
 
     @property
     def wire(self) -> int:

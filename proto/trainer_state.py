@@ -63,7 +63,7 @@ def trainer_state_from_wire(message: Any) -> Optional[TrainerState]:
     """The :class:`TrainerState` a ``pb.TrainerState`` carries."""
     if message is None:
         return None
-    values = {}
+    values: dict[str, Any] = {}
     for name in _NAMES:
         if name in _OPTIONAL:
             values[name] = _KINDS[name](getattr(message, name)) if message.HasField(name) else None

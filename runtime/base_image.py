@@ -161,6 +161,7 @@ def build_offline_base(client: docker.DockerClient, tag: str = OFFLINE_BASE, sui
         proc = subprocess.Popen(["debootstrap", "--variant=minbase", "--include=python3", suite, str(rootfs), mirror],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         lines = []
+        assert proc.stdout is not None  # stdout=PIPE
         for line in proc.stdout:
             lines.append(line.rstrip())
             if line.startswith(("I: Retrieving", "I: Base system installed", "I: Configuring python3")):

@@ -290,6 +290,7 @@ def _remote(directory: Path, base_image: str, samples: list, iterations: int, ba
     os.environ["REWARDBOX_BENCH_TOKEN"] = secrets.token_hex(16)
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "COLUMNS": "400"})
+    assert proc.stdout is not None  # stdout=PIPE
     try:
         port = None
         for line in proc.stdout:
@@ -387,6 +388,7 @@ def _judge(client, directory: Path, base_image: str) -> list[Figure]:
 
         os.environ.update(env)
         spec = importlib.util.spec_from_file_location("rewardbox_bench_judge", directory / "judge.py")
+        assert spec is not None and spec.loader is not None  # a .py file: a source file loader
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
 

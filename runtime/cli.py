@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
@@ -152,7 +152,7 @@ def score(
 
     rows = []
     for i in range(len(wire)):
-        row = {"index": i, "scores": {}, "status": {}, "errors": {}, "total": None}
+        row: dict[str, Any] = {"index": i, "scores": {}, "status": {}, "errors": {}, "total": None}
         for r in rewards:
             report = reports[r.name][i // batch_size]
             j = i % batch_size
@@ -192,7 +192,7 @@ def build(
 ) -> None:
     """Build the sandbox images a config needs (one per distinct package set); cached by content hash."""
     _setup_logging(False)
-    from .backends.docker import engine_client
+    from .backends.docker import docker_settings, engine_client
     from .image import ImageBuilder, registry_reference
 
     try:
@@ -202,16 +202,16 @@ def build(
         if registry is not None:
             registry_reference(registry, "check")  # a malformed registry fails before anything is built
         cfg = load_config(config)
-        docker_settings = cfg.sandbox.backend_settings("docker")
-        builder = ImageBuilder(engine_client(), docker_settings.cache_dir, on_output=_progress_printer())
+        settings = docker_settings(cfg.sandbox)
+        builder = ImageBuilder(engine_client(), settings.cache_dir, on_output=_progress_printer())
         tags = []
-        for (packages, system), (tag, owners) in builder.ensure_images(cfg.rewards, docker_settings,
-                                                                       force=force).items():
+        for (packages, system), (tag, owners) in builder.ensure_images(cfg.rewards, settings, force=force).items():
             out_console.print(f"{tag}  rewards: {', '.join(owners)}  packages: {', '.join(packages) or '-'}"
                               + (f"  system packages: {', '.join(system)}" if system else ""))
             tags.append(tag)
         if push:
-            service = builder.ensure_service(docker_settings, force=force)
+            assert registry is not None  # checked above: --push comes with --registry
+            service = builder.ensure_service(settings, force=force)
             out_console.print(f"{service}  the service image (`rewardbox serve`)")
             for tag in [*tags, service]:
                 out_console.print(f"pushed {builder.push(tag, registry)}", highlight=False, soft_wrap=True)
@@ -444,6 +444,7 @@ def report(
     except OSError as e:
         raise fail(f"--listen {listen}: cannot listen there ({e}); pick another port") from None
     host, port = server.server_address[:2]
+    assert isinstance(host, str)  # an IP server's address is (host, port, ...); bytes only name AF_UNIX sockets
     address = f"http://{'[' + host + ']' if ':' in host else host}:{port}/"
     out_console.print(f"rewardbox report on {address}{'?token=<the token>' if token else ''} (Ctrl-C stops it)")
     _sigterm_as_interrupt()

@@ -159,7 +159,9 @@ class RewardClient:
         first = next(self._rotation)
         await asyncio.gather(*(self._score_share(first + i, share, trainer_state) for i, share in enumerate(shares)))
 
-        values, statuses, errors, own_logs = [None] * n, [Status.UNAVAILABLE] * n, [None] * n, [""] * n
+        values: list[Optional[float]] = [None] * n
+        errors: list[Optional[str]] = [None] * n
+        statuses, own_logs = [Status.UNAVAILABLE] * n, [""] * n
         times: list = [None] * n
         logs, attempts, replaced = [], 0, 0
         for share in shares:
@@ -245,7 +247,7 @@ class RewardClient:
         fatal = [f for f in results if isinstance(f, BaseException)]
         if fatal:
             raise fatal[0]
-        transient = [e for failed in results for e in failed]
+        transient = [e for failed in results if not isinstance(failed, BaseException) for e in failed]
         if transient:
             raise transient[0]
 
@@ -270,7 +272,8 @@ class RewardClient:
                 for i, _ in part:
                     share.outcomes[i] = failed
                 continue
-            current, held = [], 0
+            current: list = []
+            held = 0
             for item, size in zip(part, sizes):
                 if size > limit:
                     share.outcomes[item[0]] = Outcome.failed(Status.ERROR, self._too_much(size, "this sample is"))

@@ -164,6 +164,7 @@ def run_apt(cmd: Sequence[str], env: dict, on_output: Callable[[str], None]) -> 
     lines = []
     with subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                           env=env, text=True) as proc:
+        assert proc.stdout is not None  # stdout=PIPE
         for line in proc.stdout:
             line = line.rstrip()
             if line:

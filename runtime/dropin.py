@@ -127,7 +127,8 @@ def sandboxed(funcs: Sequence[Any], *, sandbox: Optional[dict] = None, backend=N
     """
     _check_settings(settings, "sandboxed(...)")
     shipper = Shipper()
-    rewards, names, slots = [], set(), []
+    rewards, slots = [], []
+    names: set[str] = set()
     with tempfile.TemporaryDirectory(prefix="rewardbox-sandboxed-") as folder:
         for i, item in enumerate(funcs):
             fn, own = (item.fn, item.settings) if isinstance(item, Configured) else (item, {})

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Callable, Literal, Optional, Protocol, Sequence
 
 import docker
 import docker.errors
@@ -52,7 +52,7 @@ class BuildSettings(Protocol):
 
     base_image: str
     pip_args: list
-    system_packages_from: str
+    system_packages_from: Literal["host", "build"]
 
 log = logging.getLogger("rewardbox")
 

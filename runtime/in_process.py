@@ -26,6 +26,7 @@ from .wire import OPTIONAL_KEYWORDS, stringify
 def load_function(reward: RewardSpec, path: Path) -> Callable:
     """Imports the reward's file as a module of its own and returns its function."""
     spec = importlib.util.spec_from_file_location(f"rewardbox_in_process_{reward.name}", path)
+    assert spec is not None and spec.loader is not None  # the config allows only .py sources: a source file loader
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -52,12 +53,15 @@ def _sample_style(fn: Callable, name: str) -> Callable:
             yield fn(as_text(prompt, last_only=True), as_text(completion, last_only=False), example,
                      **{k: optional[k] for k in wanted})
 
+    reward: Callable
     if inspect.iscoroutinefunction(fn):
-        async def reward(prompts, completions, **kwargs):
+        async def reward_async(prompts, completions, **kwargs):
             return list(await asyncio.gather(*calls(prompts, completions, **kwargs)))
+        reward = reward_async
     else:
-        def reward(prompts, completions, **kwargs):
+        def reward_sync(prompts, completions, **kwargs):
             return list(calls(prompts, completions, **kwargs))
+        reward = reward_sync
     reward.__name__ = reward.__qualname__ = name
     return reward
 
@@ -68,12 +72,15 @@ def in_process_rewards(config: RewardboxConfig) -> list[Callable]:
     for reward in config.rewards:
         fn = load_function(reward, config.source_path(reward))
         if reward.style == "batch":
+            call: Callable
             if inspect.iscoroutinefunction(fn):
-                async def call(*args, __fn=fn, **kwargs):
+                async def call_async(*args, __fn=fn, **kwargs):
                     return await __fn(*args, **kwargs)
+                call = call_async
             else:
-                def call(*args, __fn=fn, **kwargs):
+                def call_sync(*args, __fn=fn, **kwargs):
                     return __fn(*args, **kwargs)
+                call = call_sync
             call.__name__ = call.__qualname__ = reward.name  # TRL's metric name, as sandboxed
             rewards.append(call)
         else:

@@ -25,14 +25,14 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import docker.errors
 import docker.utils
 import yaml
 
 from .backends.containers import SOCKET_DIR_IN_CONTAINER, SOCKET_NAME, ContainerSpec, is_gvisor
-from .backends.docker import NOBODY, slot_plan
+from .backends.docker import NOBODY, docker_settings, slot_plan
 from .errors import ConfigError
 from .image import image_key, registry_reference
 from .service import DRAIN_GRACE_S, TOKEN_ENV
@@ -134,7 +134,7 @@ def _options(config: RewardboxConfig, namespace: Optional[str], runtime_class: O
             or not _LABEL_VALUE.match(value):
         raise ConfigError(f"--trainer-label {trainer_label!r}: expected KEY=VALUE, a Kubernetes label of the "
                           f"trainer pods, e.g. {DEFAULT_TRAINER_LABEL}")
-    runtime = config.sandbox.backend_settings("docker").runtime
+    runtime = docker_settings(config.sandbox).runtime
     names: dict[str, str] = {}
     by_name: dict[str, str] = {}
     for i, reward in enumerate(config.rewards):
@@ -243,7 +243,7 @@ def _reward_manifests(config: RewardboxConfig, index: int, reward: RewardSpec, i
     if image is None:
         raise ConfigError(f"reward {reward.name!r}: no sandbox image was given for its packages {reward.packages} "
                           f"and system packages {reward.system_packages}")
-    settings = config.sandbox.backend_settings("docker")
+    settings = docker_settings(config.sandbox)
     runtime = settings.runtime
     plan = slot_plan(reward, runtime)
     spec = ContainerSpec(image=image, name=name, server_uid=NOBODY, slot_uids=(POD_SLOT_UID_BASE, plan.slots),
@@ -263,7 +263,8 @@ def _reward_manifests(config: RewardboxConfig, index: int, reward: RewardSpec, i
 
     resources = {"cpu": _cpu_quantity(reward.cpus), "memory": quantity(reward.memory, f"reward {reward.name!r}: "
                                                                                        "memory")}
-    mounts = [{"name": "socket", "mountPath": SOCKET_DIR_IN_CONTAINER}, {"name": "scratch", "mountPath": SCRATCH}]
+    mounts: list[dict[str, Any]] = [{"name": "socket", "mountPath": SOCKET_DIR_IN_CONTAINER},
+                                    {"name": "scratch", "mountPath": SCRATCH}]
     volumes = [
         {"name": "socket", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
         # Each slot's scratch directory and its programs' (rewardbox.sandbox.run); like the docker backend's tmpfs
@@ -488,12 +489,13 @@ _CONTAINERS = {"sandbox", "gateway", "socket-dir"}
 
 def _with_comments(text: str) -> str:
     """``text`` with _COMMENTS inserted; unchanged if that would change what it parses to (a block scalar)."""
-    out, container = [], None
+    out: list[str] = []
+    container: Optional[str] = None
     for line in text.splitlines(keepends=True):
         stripped = line.strip()
         if stripped.startswith("- name: ") and stripped[len("- name: "):] in _CONTAINERS:
             container = stripped[len("- name: "):]
-        comment = _COMMENTS.get((container, stripped))
+        comment = _COMMENTS.get((container, stripped)) if container is not None else None
         if comment:
             indent = line[: len(line) - len(line.lstrip())]
             out += [f"{indent}# {c}\n" for c in comment]
@@ -522,7 +524,7 @@ def image_tags(config: RewardboxConfig) -> Images:
     from .backends.docker import engine_client
     from .image import ImageBuilder
 
-    settings = config.sandbox.backend_settings("docker")
+    settings = docker_settings(config.sandbox)
     client = engine_client()
     try:
         builder = ImageBuilder(client, settings.cache_dir)

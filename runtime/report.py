@@ -165,7 +165,8 @@ class Record:
         return {"prompt": prompt[0], "completions": completions}
 
     def _filters(self, params: dict) -> tuple[str, tuple]:
-        clauses, values = [], []
+        clauses: list[str] = []
+        values: list[object] = []
         if params.get("q"):
             clauses.append("c.text LIKE ? ESCAPE '\\'")
             values.append(like(params["q"]))
@@ -177,7 +178,8 @@ class Record:
                 clauses.append(f"c.total {op} ?")
                 values.append(float(params[bound]))
         if params.get("reward") or params.get("status"):
-            sub, sub_values = ["s.completion_id = c.id"], []
+            sub = ["s.completion_id = c.id"]
+            sub_values: list[object] = []
             if params.get("reward"):
                 sub.append("s.reward = ?")
                 sub_values.append(params["reward"])
@@ -256,7 +258,7 @@ class Record:
         for d in dupes:
             found.append({"kind": "identical", "title": f"the same completion for {d['prompts']} different "
                           f"prompts: {d['text'][:80]!r}", "ids": [int(i) for i in d["ids"].split(",")][:500]})
-        means = {}
+        means: dict[str, list[tuple[int, float]]] = {}
         for row in self.rows("SELECT step, reward, AVG(value) AS mean FROM scores GROUP BY reward, step ORDER BY step"):
             means.setdefault(row["reward"], []).append((row["step"], row["mean"]))
         for reward, series in means.items():
@@ -332,6 +334,7 @@ LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]", "::1")
 
 
 class Handler(BaseHTTPRequestHandler):
+    server: ThreadingHTTPServer  # make_server's; the base class types it as any socketserver
     record: Record
     token: Optional[str] = None
     server_version = "rewardbox-report"
@@ -351,7 +354,7 @@ class Handler(BaseHTTPRequestHandler):
 
     @property
     def cookie(self) -> str:
-        return f"rewardbox_token_{self.server.server_address[1]}"  # one per port: reports of other ports keep theirs
+        return f"rewardbox_token_{self.server.server_port}"  # one per port: reports of other ports keep theirs
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         pass
@@ -411,7 +414,7 @@ class Handler(BaseHTTPRequestHandler):
             self._send(HTTPStatus.UNAUTHORIZED, b"a token is required: open the address `rewardbox report` printed",
                        "text/plain; charset=utf-8")
             return
-        extra = {}
+        extra: dict[str, str] = {}
         if self.token and params.get("token"):
             # The token leaves the address bar (and history): a cookie of this port carries it from here on.
             self._send(HTTPStatus.SEE_OTHER, b"", "text/plain; charset=utf-8", {
@@ -514,6 +517,12 @@ def parse_listen(listen: str, token: Optional[str]) -> tuple[str, int]:
     return host, int(port)
 
 
+class ReportServer6(ThreadingHTTPServer):
+    """The report's server on an IPv6 address."""
+
+    address_family = socket.AF_INET6
+
+
 def make_server(output_dir: Path, listen: str = "127.0.0.1:8050", token: Optional[str] = None) -> ThreadingHTTPServer:
     """The report's HTTP server (not yet serving).
 
@@ -523,9 +532,7 @@ def make_server(output_dir: Path, listen: str = "127.0.0.1:8050", token: Optiona
     host, port = parse_listen(listen, token)
     record = Record(output_dir)
     handler = type("ReportHandler", (Handler,), {"record": record, "token": token})
-    server_class = ThreadingHTTPServer
-    if ":" in host:
-        server_class = type("ReportServer6", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6})
+    server_class = ReportServer6 if ":" in host else ThreadingHTTPServer
     server = server_class((host, port), handler)
     server.daemon_threads = True
     return server

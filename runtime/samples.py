@@ -12,7 +12,7 @@ functions get them in ``example`` as strings (strings unchanged, anything else `
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from .wire import BATCH_KEYWORDS, TRAINER_OBJECTS, encode_columns, json_problem
 from .wire.pb import reward_pb2 as pb
@@ -55,7 +55,7 @@ def column_problem(columns: dict[str, Sequence[Any]]) -> Optional[str]:
     return None
 
 
-def build_samples(prompts: Sequence[Any], completions: Sequence[Any], columns: dict[str, Sequence[Any]],
+def build_samples(prompts: Sequence[Any], completions: Sequence[Any], columns: Mapping[str, Sequence[Any]],
                   completion_ids: Optional[Sequence[Sequence[int]]] = None) -> list:
     """One pb.Sample per completion, in order; ``columns`` in the dataset's column order.
 

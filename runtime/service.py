@@ -39,7 +39,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -87,6 +87,11 @@ DRAIN_GRACE_S = 60.0
 _OK = Status.OK
 
 
+def _wire(status: Status) -> pb.Status:
+    """``status.wire`` as the stubs type a Score's status: their enum class, an int at run time."""
+    return cast(pb.Status, status.wire)
+
+
 def is_loopback(listen: str) -> bool:
     """Whether ``host:port`` binds loopback only (127.0.0.0/8, ::1 or localhost)."""
     host = listen.rsplit(":", 1)[0].strip("[]")
@@ -130,6 +135,7 @@ class ServiceSecurity:
                               "are checked in the TLS handshake)")
         certificate = private_key = client_ca = None
         if tls_cert is not None:
+            assert tls_key is not None  # they go together (checked above)
             certificate = read_named_file(tls_cert, "--tls-cert")
             private_key = read_named_file(tls_key, "--tls-key")
         if tls_client_ca is not None:
@@ -227,6 +233,7 @@ class Budget:
             if now - when >= self.WANT_S:
                 del self.turned_away[other]
         wanting = {c for c, k in self.held.items() if k} | set(self.turned_away) | {client}
+        assert self.limit is not None  # take() asks only when there is a limit
         return -(-self.limit // len(wanting))
 
     def take(self, n: int, whole: bool, client: str = "", now: Optional[float] = None) -> int:
@@ -305,11 +312,11 @@ class RewardService(pb_grpc.RewardSandboxServicer):
         times = report.sample_seconds or [None] * len(report.values)
         for value, status, error, own, took in zip(report.values, report.statuses, report.errors, own_logs, times):
             if status is _OK:
-                scores.append(pb.Score(value=value, status=status.wire, logs=own, seconds=took) if value is not None
-                              else pb.Score(status=status.wire, logs=own, seconds=took))
+                scores.append(pb.Score(value=value, status=_wire(status), logs=own, seconds=took) if value is not None
+                              else pb.Score(status=_wire(status), logs=own, seconds=took))
             else:  # the trainer's client applies its own default_score
-                scores.append(pb.Score(status=status.wire, error=error or "", logs=own, seconds=took))
-        deferred = pb.Score(status=Status.UNAVAILABLE.wire, deferred=True,
+                scores.append(pb.Score(status=_wire(status), error=error or "", logs=own, seconds=took))
+        deferred = pb.Score(status=_wire(Status.UNAVAILABLE), deferred=True,
                             error=f"max_in_flight={budget.limit} reached; not attempted")
         scores.extend(deferred for _ in range(n - admitted))
         return pb.ScoreResponse(scores=scores, logs=report.logs, metrics=pb.Metrics(
@@ -322,6 +329,7 @@ class RewardService(pb_grpc.RewardSandboxServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"this service does not serve a reward named {fn.name!r} (it serves "
                                     f"{self._served()}); add it to the config of `rewardbox serve`")
+            assert spec is not None  # context.abort raised
             style = "batch" if fn.style == pb.STYLE_BATCH else "sample"
             if style != spec.style:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,

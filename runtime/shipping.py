@@ -116,7 +116,9 @@ def _from_a_folder(distribution: str) -> bool:
     project): no package index has it, so its code goes by value like a module of no distribution."""
     try:
         text = importlib.metadata.distribution(distribution).read_text("direct_url.json")
-        return bool(text) and str(json.loads(text).get("url", "")).startswith("file:")
+        if not text:
+            return False
+        return str(json.loads(text).get("url", "")).startswith("file:")
     except (importlib.metadata.PackageNotFoundError, ValueError, AttributeError):
         return False
 

@@ -228,7 +228,7 @@ class SandboxSettings(_Strict):
 
 @lru_cache(maxsize=None)
 def _sandbox_model(names: tuple[str, ...]) -> type[SandboxSettings]:
-    sections = {name: (Optional[backend_type(name).settings_type], None) for name in names}
+    sections: dict[str, Any] = {name: (Optional[backend_type(name).settings_type], None) for name in names}
     return create_model("SandboxSettings", __base__=SandboxSettings, __module__=__name__, **sections)
 
 

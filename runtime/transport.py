@@ -66,7 +66,7 @@ class Endpoint:
         otherwise share one between the channels of a process to the same service, which then sees them as one
         client: its fair shares of ``max_in_flight`` are per connection), and the name TLS expects, if
         overridden."""
-        options = CHANNEL_OPTIONS
+        options: tuple[tuple[str, object], ...] = CHANNEL_OPTIONS
         if not self.target.startswith("unix:"):
             options += (("grpc.lb_policy_name", "round_robin"), ("grpc.use_local_subchannel_pool", 1))
         if self.server_name:

@@ -40,7 +40,7 @@ wall-clock.
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Optional
 
 from ..wire import HARD_TIMEOUT_MARGIN_S
 from . import processes
@@ -114,7 +114,8 @@ class Watch:
         return self.credited_ns / 1e9 if self.sequential else 0.0
 
 
-_own = {"base_ns": None, "budget_s": 0.0}  # this process's waits when its request began; what it may still add
+# This process's waits when its request began; what it may still add.
+_own: dict[str, Any] = {"base_ns": None, "budget_s": 0.0}
 
 
 def begin_request() -> None:

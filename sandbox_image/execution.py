@@ -186,7 +186,7 @@ def _connect() -> _Channel:
         return _channel
 
 
-def _content(value: Union[str, bytes], what: str):
+def _content(value: Union[str, bytes, bytearray, memoryview], what: str):
     if isinstance(value, str):
         return value
     if isinstance(value, (bytes, bytearray, memoryview)):

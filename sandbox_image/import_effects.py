@@ -54,7 +54,8 @@ class _Watch:
     def __call__(self, event: str, args: tuple) -> None:
         if event != "sys.addaudithook" or not self.armed:
             return
-        frame, where = sys._getframe(1), ""
+        frame: Optional[types.FrameType] = sys._getframe(1)
+        where = ""
         while frame is not None:
             if frame.f_code.co_filename == self.filename:
                 where = f"{self.filename}:{frame.f_lineno}"
@@ -131,7 +132,7 @@ _taken: Optional[Effects] = None
 
 # Read and written through the base types' own descriptors, never through attribute lookup on the object: a class
 # the import swapped in (``os.__class__ = Tracked``) could otherwise run reward code, or lie, on each access.
-_module_dict = types.ModuleType.__dict__["__dict__"].__get__
+_module_dict = vars(types.ModuleType)["__dict__"].__get__  # vars(): typeshed has ModuleType.__dict__ as a property
 _class_dict = type.__dict__["__dict__"].__get__
 _class_bases = type.__dict__["__bases__"].__get__
 _set_class_of_object = object.__setattr__
@@ -196,9 +197,9 @@ class _Snapshot:
                                    tuple((cell, _contents(cell)) for cell in cells)))
         else:
             self.types[id(value)] = (value, type(value))
-            contents = _instance_dict(value)
-            if contents is not None:
-                self.objects.append((value, dict(contents)))
+            own = _instance_dict(value)
+            if own is not None:
+                self.objects.append((value, dict(own)))
 
     def changes(self) -> tuple[list, list]:
         """(the values before, the values after) of everything that differs now, as :func:`_apply` takes them,

@@ -42,7 +42,7 @@ LANGUAGES = {language.name: language for language in (
 _BY_ALIAS = {alias: language for language in LANGUAGES.values() for alias in (language.name, *language.aliases)}
 
 
-def lookup(name: str) -> Language:
+def lookup(name: object) -> Language:
     """The language called ``name`` (or one of its aliases, any case).
 
     Raises:

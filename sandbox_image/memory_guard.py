@@ -135,7 +135,8 @@ class Guard:
         # What sockets hold (see held): Linux says it by uid; under gVisor (its /proc/net counted in the use), which
         # sockets processes hold open, the rest being in flight. Neither: what sockets hold is no process's.
         self.socket_bytes = socket_bytes if usage.usage_path and socket_bytes() is not None else None
-        self.sockets_of, self.listed = (sockets_of, listed) if usage.socket_tables else (None, None)
+        self.sockets_of: Optional[Callable[[int], tuple]] = sockets_of if usage.socket_tables else None
+        self.listed: Optional[Callable[[], set]] = listed if usage.socket_tables else None
         self.free_pass = 0  # what no process holds, as last read past the mark: see check
         self.calm_unheld = 0  # what no process held at the last calm reading: see _calibrate
         self.next_scan = 0.0

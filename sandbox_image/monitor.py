@@ -41,7 +41,7 @@ def _runner_gone(signum, frame):
 class Monitor:
     """Runs the requests of one slot socket (see the module docstring)."""
 
-    def __init__(self, slot: RunSlot, sock: Optional[socket.socket]):
+    def __init__(self, slot: RunSlot, sock: socket.socket):
         self.slot = slot
         self.workspace = Workspace(slot)
         self.sock = sock  # the slot's socket: its closing means the caller is gone
@@ -119,6 +119,7 @@ class Monitor:
         self.workspace.clean()
         try:
             if language.build:
+                assert language.artifact is not None  # every language with a build step names what it leaves
                 self.workspace.materialize(entries)
                 limits = Limits(request.compile_timeout_s, max(memory_mb, 2048), 256, COMPILE_OUTPUT,
                                 max(self.slot.nproc or 0, COMPILE_PROCESSES), file_bytes)
@@ -209,13 +210,14 @@ class Monitor:
             for fd in fds:
                 os.close(fd)
             return
-        self.parent, self.sock = self.sock, socket.socket(fileno=fds[0])
+        slot_sock = self.sock
+        self.parent, self.sock = slot_sock, socket.socket(fileno=fds[0])
         try:
             self.sock.setblocking(True)  # its replies are written watching the slot's socket (write_frame's watch)
             self._serve()
         finally:
             let_go(self.sock)
-            self.sock, self.parent = self.parent, None
+            self.sock, self.parent = slot_sock, None
 
 
 def let_go(sock: socket.socket) -> None:

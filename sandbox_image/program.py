@@ -86,6 +86,7 @@ class Workspace:
         ``reaper``: with a real uid no program has, so none of them can signal this process meanwhile, and with
         root's group, which sees all of them in /proc (private_tmp.hide_others)."""
         uid = self.slot.uid
+        assert uid is not None  # asked only of a slot with a uid of its own
         if not reaper:
             os.setresgid(-1, uid, -1)
         os.setresuid(uid | processes.REAPER_UID_BIT if reaper else -1, uid, 0)
@@ -183,7 +184,7 @@ class Workspace:
             try:
                 if not stat.S_ISREG(os.fstat(fd).st_mode) or os.fstat(fd).st_size > MAX_ARTIFACT:
                     return None
-                chunks = []
+                chunks: list[bytes] = []
                 while True:
                     chunk = os.read(fd, 1 << 20)
                     if not chunk:
@@ -291,7 +292,8 @@ class Workspace:
             selector.register(sock, selectors.EVENT_READ)
         deadline = start + limits.timeout_s
         next_poll = start + MEMORY_POLL_S if self.slot.uid is not None else math.inf
-        killed_for, status_word, usage = None, None, None
+        killed_for, status_word = None, None
+        usage: Optional[resource.struct_rusage] = None
         try:
             while status_word is None:
                 now = time.monotonic()
@@ -304,14 +306,14 @@ class Workspace:
                         break
                     next_poll = now + MEMORY_POLL_S
                 for key, _ in selector.select(timeout=min(deadline, next_poll) - now):
-                    fd = key.fileobj
-                    if any(fd is sock for sock in watched):
+                    if any(key.fileobj is sock for sock in watched):
                         # Its end closed, or it wrote while its request runs, which rewardbox.sandbox.run never does
                         # (one request at a time per socket, waited for). Ignoring those bytes would mean no longer
                         # watching for the close: a sample's program would outlive it and hold up the slot's next
                         # samples for its whole timeout. (The parent: the child is gone.)
                         raise SlotGone()
-                    elif fd == wake_r:
+                    fd = key.fd  # a pipe's: registered as its descriptor
+                    if fd == wake_r:
                         try:
                             os.read(wake_r, 4096)
                         except BlockingIOError:
@@ -360,6 +362,7 @@ class Workspace:
             for _ in processes.exited_children():  # every descendant: this process is their subreaper
                 pass
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        assert usage is not None  # waited for with status_word
         cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
         return {"status_word": status_word, "killed_for": killed_for, "wall_s": round(wall, 6),
                 "cpu_s": round(max(cpu, usage.ru_utime + usage.ru_stime), 6),
@@ -386,5 +389,6 @@ class Workspace:
         """Bytes of memory the run uid's processes hold together: their anonymous and shared-memory resident pages
         (pages shared after a fork count once per process), else their resident set where the kernel does not
         tell those apart (gVisor)."""
+        assert self.slot.uid is not None  # polled only for a slot with a uid of its own
         return sum(processes.resident_kb(processes.status_fields(status))
                    for _, status in processes.statuses_of(self.slot.uid)) * 1024

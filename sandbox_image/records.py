@@ -49,12 +49,12 @@ class SampleBatch:
 
     def take(self, indices: Sequence[int]) -> "SampleBatch":
         """The samples at ``indices``, in that order."""
-        def pick(column: Optional[list]) -> Optional[list]:
-            return None if column is None else [column[i] for i in indices]
+        def pick(column: list) -> list:
+            return [column[i] for i in indices]
 
         return SampleBatch(pick(self.prompts), pick(self.completions), pick(self.columns_json),
                            pick(self.prompt_messages_json), pick(self.completion_messages_json),
-                           pick(self.completion_ids))
+                           None if self.completion_ids is None else pick(self.completion_ids))
 
     def slice(self, start: int, stop: int) -> "SampleBatch":
         return self.take(range(start, min(stop, len(self))))

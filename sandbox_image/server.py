@@ -129,9 +129,12 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
 
     async def _start(self, config: WorkerConfig, budget_s: float) -> FunctionPool:
         loop = asyncio.get_running_loop()
+
+        def on_broken(why: str) -> None:
+            loop.create_task(self.broken(why))
+
         try:
-            return await FunctionPool.start(config, self.supervisor.spawn, budget_s,
-                                            on_broken=lambda why: loop.create_task(self.broken(why)))
+            return await FunctionPool.start(config, self.supervisor.spawn, budget_s, on_broken=on_broken)
         except PoolUnavailable as e:
             await self.broken(str(e))
             raise
@@ -183,6 +186,7 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"reward {name!r} is not loaded here (loaded: {', '.join(self.functions) or 'none'})",
             )
+        assert fp is not None  # context.abort raised
         if fp.dead is not None:
             async with self._load_lock:
                 if self.functions.get(name) is fp:

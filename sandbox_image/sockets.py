@@ -227,9 +227,10 @@ class UnixSockets:
         own = None
         while True:
             try:
-                left = self.listed() - self.passed
+                inodes = self.listed()  # None where a failed dump could not open its socket again: failed too
             except OSError:
-                left = None
+                inodes = None
+            left = None if inodes is None else inodes - self.passed
             if left and own is None:
                 own = left & held_by(os.getpid(), most=1 << 20)[0]
                 self.passed |= own  # its own (socket inodes are not reused soon: a counter of 2**32)

@@ -198,6 +198,7 @@ class Template:
         """A new socket to the runner for slot ``s``'s next process (None without a runner)."""
         if self.runner is None:
             return None
+        slot_end: Optional[socket.socket]
         runner_end, slot_end = pair()
         try:
             send(self.runner, {"slot": s.spec.index}, fds=[runner_end.fileno()])
@@ -231,6 +232,7 @@ class Template:
             return
         if pid == 0:
             parent_end.close()
+            assert self.loaded is not None  # loaded before any slot is spawned
             slots.run(self.loaded, s.spec, child_end, self.mode, run_end)  # never returns
         child_end.close()
         if run_end is not None:
@@ -241,6 +243,7 @@ class Template:
     def _ready(self, s: _Slot) -> None:
         """The slot's one message, written before any reward code ran: ready (with its IPC mark), or why not."""
         message = b""
+        assert s.control is not None  # registered with the selector once it had one (_spawn)
         try:
             while len(message) < slots.READY_SIZE:
                 chunk = s.control.recv(slots.MAX_REASON + 1)
@@ -344,6 +347,7 @@ class Template:
         candidates = [s for s in self.slots if s.ready and s.pid and not s.retiring]
         if self.mode != "worker":  # one request at a time per process
             return next((s for s in candidates if not s.requests), None)
+        assert self.loaded is not None  # loaded before any slot is spawned
         if not self.loaded.info.is_async:
             candidates = [s for s in candidates if not s.requests]
         return min(candidates, key=lambda s: len(s.requests), default=None)
@@ -354,6 +358,7 @@ class Template:
             if s is None:
                 return
             request, fd = self.queue.popleft()
+            assert s.control is not None  # a ready slot's process has its control socket
             try:
                 send(s.control, {"req": request}, fds=[fd])
             except OSError:  # it died just now; the request goes to the next slot

@@ -15,6 +15,7 @@ from __future__ import annotations
 import _signal
 import contextlib
 import contextvars
+import functools
 import inspect
 import io
 import json
@@ -157,7 +158,7 @@ def resolve_function(config: WorkerConfig, module: types.ModuleType) -> Loaded:
         sig = inspect.signature(fn)
     except (TypeError, ValueError) as e:
         raise LoadError(f"{config.filename}: cannot read the signature of {config.function!r}: {e}") from None
-    params = sig.parameters.values()
+    params = list(sig.parameters.values())
     var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
     named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     line = getattr(getattr(fn, "__code__", None), "co_firstlineno", None)
@@ -177,7 +178,6 @@ def resolve_function(config: WorkerConfig, module: types.ModuleType) -> Loaded:
                 f"{where}: {name}{sig} does not fit style 'batch': it must accept `completions` "
                 "(and usually `prompts` and **kwargs). For fn(prompt, completion, example) set `style: sample`."
             )
-    params = list(sig.parameters.values())
     keyword_params = params[3:] if config.style == "sample" else params
     required = [p.name for p in keyword_params if p.default is p.empty
                 and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
@@ -208,7 +208,8 @@ class _BoundedWriter:
     __slots__ = ("limit", "parts", "size", "dropped")
 
     def __init__(self, limit: int):
-        self.limit, self.parts, self.size, self.dropped = limit, [], 0, 0
+        self.limit, self.size, self.dropped = limit, 0, 0
+        self.parts: list[str] = []
 
     def write(self, s: str) -> int:
         if not isinstance(s, str):
@@ -321,7 +322,7 @@ def _batch_outcomes(result: Any, n: int) -> list:
     values = list(result.tolist() if hasattr(result, "tolist") else result)
     if len(values) != n:
         return [Outcome.failed(Status.INVALID, f"batch reward returned {len(values)} values for {n} samples")] * n
-    return [_guarded(lambda v=v: _check(v)) for v in values]
+    return [_guarded(functools.partial(_check, v)) for v in values]
 
 
 def _timed(call: Callable[[], Any], timeout_s: Optional[float]) -> tuple:
@@ -347,7 +348,7 @@ def _timed(call: Callable[[], Any], timeout_s: Optional[float]) -> tuple:
         return None, _error(e)
 
 
-def _run_sync(loaded: Loaded, batch: SampleBatch, timeout_s: float, state: Optional[TrainerState]) -> list:
+def _run_sync(loaded: Loaded, batch: SampleBatch, timeout_s: Optional[float], state: Optional[TrainerState]) -> list:
     def timed(call: Callable[[], Any]) -> tuple:
         return _timed(call, timeout_s)
 
@@ -368,11 +369,12 @@ def _guarded_batch(value: Any, n: int) -> list:
         return [_error(e)] * n
 
 
-async def _await_bounded(coro, timeout_s: float) -> tuple:
+async def _await_bounded(coro, timeout_s: Optional[float]) -> tuple:
     import asyncio
     task = asyncio.ensure_future(coro)
     done, _ = await asyncio.wait({task}, timeout=timeout_s)
     if not done:
+        assert timeout_s is not None  # without a timeout, wait returns only once the task is done
         task.cancel()
         return None, _timeout(timeout_s)
     try:
@@ -381,7 +383,8 @@ async def _await_bounded(coro, timeout_s: float) -> tuple:
         return None, _error(e)
 
 
-async def _run_async(loaded: Loaded, batch: SampleBatch, timeout_s: float, state: Optional[TrainerState]) -> list:
+async def _run_async(loaded: Loaded, batch: SampleBatch, timeout_s: Optional[float],
+                     state: Optional[TrainerState]) -> list:
     import asyncio
     if loaded.config.style == "batch":
         try:
@@ -448,16 +451,19 @@ def score_sample(loaded: Loaded, batch: SampleBatch, i: int, timeout_s: Optional
     return outcome, sink.text(), sink.dropped
 
 
-def score(loaded: Loaded, batch: SampleBatch, timeout_s: float, state: Optional[TrainerState]) -> tuple:
-    """Scores a request's samples with a sync function. Returns (outcomes, logs, dropped characters)."""
+def score(loaded: Loaded, batch: SampleBatch, timeout_s: Optional[float], state: Optional[TrainerState]) -> tuple:
+    """Scores a request's samples with a sync function. Returns (outcomes, logs, dropped characters).
+    ``timeout_s`` None: no timer (a forked child, which its slot process ends at the deadline)."""
     with _captured(loaded.config.max_log_bytes) as sink:
         outcomes = _run_sync(loaded, batch, timeout_s, state)
     return outcomes, sink.text(), sink.dropped
 
 
-async def score_async(loaded: Loaded, batch: SampleBatch, timeout_s: float, state: Optional[TrainerState]) -> tuple:
+async def score_async(loaded: Loaded, batch: SampleBatch, timeout_s: Optional[float],
+                      state: Optional[TrainerState]) -> tuple:
     """Scores a request's samples with an async function on the running loop. Returns (outcomes, logs,
-    dropped characters). Output is captured per request only where one request runs at a time."""
+    dropped characters). Output is captured per request only where one request runs at a time. ``timeout_s``
+    None: no timer."""
     with _captured(loaded.config.max_log_bytes) as sink:
         outcomes = await _run_async(loaded, batch, timeout_s, state)
     return outcomes, sink.text(), sink.dropped

@@ -110,6 +110,7 @@ def parse_train_config(data: Any, base_dir: Path, where: Where = Where()) -> Tra
     if isinstance(data, dict):  # `grpo:` or `model:` with nothing under it reads as null: an empty section
         data = {**data, **{k: {} for k in ("model", "grpo") if k in data and data[k] is None}}
     cfg = parse_config(data, base_dir, where, config_type=TrainConfig)
+    assert isinstance(cfg, TrainConfig)  # validated as config_type
     from trl import GRPOConfig
 
     _check_fields("grpo", cfg.grpo, GRPOConfig, where, reserved={"reward_weights": "from each reward's weight",

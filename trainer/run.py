@@ -164,6 +164,7 @@ def train(
         columns = [c for c in train_ds.column_names if c not in ("prompt", "completion", "completion_ids")]
         sandboxes.check_columns(columns, {c: train_ds[0][c] for c in columns} if len(train_ds) else None,
                                 source=f"dataset {cfg.dataset.path}")
+        assert sandboxes.backend is not None  # started above
         log.info("rank %d of %d: %d reward sandbox(es) running on the %s backend", state.process_index,
                  state.num_processes, sum(len(r) for r in sandboxes.replicas.values()), sandboxes.backend.name)
         log_name = "reward_logs.jsonl" if state.is_main_process else f"reward_logs.rank{state.process_index}.jsonl"

@@ -189,7 +189,7 @@ class ContainerSpec:
 
 
 def is_gvisor(runtime: Optional[str]) -> bool:
-    return bool(runtime) and "runsc" in runtime
+    return runtime is not None and "runsc" in runtime
 
 
 class SocketVolume:
@@ -202,7 +202,7 @@ class SocketVolume:
         self.client, self.name, self.uid, self.labels = client, name, uid, labels
         self.link_dir = Path(tempfile.mkdtemp(prefix="rbx-"))
         self.bind_dir: Optional[Path] = None
-        self.volume = None
+        self.volume: Optional[docker.models.volumes.Volume] = None
 
     @property
     def path(self) -> Path:

@@ -15,7 +15,7 @@ import socket
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal, Optional, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence
 
 import docker
 import docker.errors
@@ -24,7 +24,7 @@ from pydantic import Field
 from .. import apparmor
 from ..errors import BackendError, ConfigError
 from ..image import IMAGE_REPO, ImageBuilder, image_key
-from ..spec import RewardSpec
+from ..spec import RewardSpec, SandboxSettings
 from ..wire import DEFAULT_WARM, GVISOR_WARM, SLOT_UID_BASE, sandbox_slots
 from .base import BackendSettings, reward_environment
 from .containers import LABEL, ContainerSpec, DockerSandbox, is_gvisor, remove_leftovers
@@ -113,6 +113,13 @@ class DockerSettings(BackendSettings):
         "(the image build needs no network); build: the image build runs apt-get with the engine's default network")
 
 
+def docker_settings(sandbox: SandboxSettings) -> DockerSettings:
+    """``sandbox.docker``: as configured, else its defaults (``backend_settings("docker")``, typed)."""
+    settings = sandbox.backend_settings("docker")
+    assert isinstance(settings, DockerSettings)  # the settings type this backend registers
+    return settings
+
+
 def confines_with_apparmor(engine_info: dict) -> bool:
     """Whether the engine whose ``docker info`` this is confines its containers with AppArmor."""
     return any("name=apparmor" in option for option in engine_info.get("SecurityOptions") or ())
@@ -185,7 +192,7 @@ class DockerBackend:
         self.settings = settings or DockerSettings()
         self._owns_client = client is None
         self.client = client or engine_client()
-        kwargs = {"on_output": on_output} if on_output else {}
+        kwargs: dict[str, Any] = {"on_output": on_output} if on_output else {}
         self.builder = builder or ImageBuilder(self.client, self.settings.cache_dir, **kwargs)
         self.run_id = uuid.uuid4().hex[:10]
         self.images: dict[tuple, str] = {}

@@ -181,15 +181,16 @@ class RewardServer:
                         stop=self.stopping, drain_grace_s=5.0)
 
         try:
+            from ..backends.docker import docker_settings
             from ..image import default_cache_dir
 
-            cache = Path(self.config.sandbox.backend_settings("docker").cache_dir or default_cache_dir()).expanduser()
+            cache = Path(docker_settings(self.config.sandbox).cache_dir or default_cache_dir()).expanduser()
             cache.mkdir(parents=True, exist_ok=True)
             with open(cache / NODE_LOCK, "w") as lock:  # replicas starting together on a node build once
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 from ..backends.docker import DockerBackend
 
-                backend = DockerBackend(self.config.sandbox.backend_settings("docker"))
+                backend = DockerBackend(docker_settings(self.config.sandbox))
                 try:
                     backend.prepare(self.config.rewards)
                 finally:

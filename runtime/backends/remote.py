@@ -97,6 +97,7 @@ class RemoteBackend:
             raise ConfigError("sandbox.remote.tls_client_cert and tls_client_key go together: give both (the client "
                               "certificate chain and its key, PEM), or neither")
         if self.settings.tls_client_cert is not None:
+            assert self.settings.tls_client_key is not None  # they go together (checked above)
             if ca is None:
                 raise ConfigError("sandbox.remote.tls_client_cert needs TLS: set sandbox.remote.tls_ca to the CA "
                                   "that signed the services' certificates")
@@ -191,6 +192,7 @@ class RemoteBackend:
         checks the client's certificate after the client's side of the handshake is done)."""
         try:
             host, port = host_and_port(endpoint.target)
+            assert endpoint.root_certificates is not None  # asked only of a TLS endpoint
             context = ssl.create_default_context(cadata=endpoint.root_certificates.decode())
             context.set_alpn_protocols(["h2"])
             if self.settings.tls_client_cert is not None:

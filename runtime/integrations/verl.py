@@ -119,7 +119,9 @@ async def compute_score(data_source: Any, solution_str: str, ground_truth: Any, 
     """verl's custom reward (async: verl 0.6+). ``config``: the rewardbox config (``reward_kwargs``)."""
     path = _key(config)
     # Started: at once; else started in a thread (the first call of a process), while the loop serves the others
-    sandboxes = _started.get(path) or await asyncio.to_thread(sandboxes_for, config)
+    sandboxes = _started.get(path)
+    if sandboxes is None:
+        sandboxes = await asyncio.to_thread(sandboxes_for, config)
     loop = asyncio.get_running_loop()
     key = (path, id(loop))
     future = loop.create_future()

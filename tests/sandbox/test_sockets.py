@@ -259,3 +259,13 @@ def test_what_an_open_sender_queued_counts_once():
     finally:
         for s in (a, b, listener, client):
             s.close()
+
+
+def test_a_failed_dump_whose_socket_cannot_be_opened_again_counts_as_a_failed_dump(monkeypatch):
+    # The dump after it finds no socket (listed() says None, as under gVisor): a failed dump too. It raised
+    # TypeError (None - passed) out of the slot's cleanup.
+    unix_sockets = sockets.UnixSockets(os.getuid())
+    assert unix_sockets.fileno() != -1, "this kernel has no sock_diag"
+    monkeypatch.setattr(unix_sockets, "_open", lambda: None)  # its socket cannot be made again
+    unix_sockets._diag.close()  # the next dump fails
+    assert unix_sockets.wait_for_in_flight(most_s=0.01) == set()
