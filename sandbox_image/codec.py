@@ -22,7 +22,7 @@ import json
 import math
 import mmap
 import struct
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from ..wire import Outcome, Status
 from .records import ChunkResult, SampleBatch
@@ -115,7 +115,9 @@ class Request:
             row = rows[0]
             return SampleBatch([row[0]], [row[1]], [row[2]], [row[3]], [row[4]], [row[5]] if self.ids else None)
         columns = [list(column) for column in zip(*rows)] if rows else [[] for _ in range(6)]
-        return SampleBatch(*columns[:5], columns[5] if self.ids else None)
+        prompts, completions, columns_json, prompt_messages, completion_messages = columns[:5]
+        return SampleBatch(prompts, completions, columns_json, prompt_messages, completion_messages,
+                           columns[5] if self.ids else None)
 
     def close(self) -> None:
         self.data.close()
@@ -136,14 +138,13 @@ def encode_result(outcomes: Sequence[Outcome], logs: str, dropped: int, max_log_
     took = math.nan if seconds is None else min(seconds, MAX_SECONDS)
     if len(outcomes) == 1 and not logs and not outcomes[0].error:  # a sample's own answer, the streamed common case
         o = outcomes[0]
-        has_value = o.value is not None
-        return _ONE.pack(MAGIC, 1, max(0, dropped), 0, o.status.wire, has_value, float(o.value) if has_value else 0.0,
-                         0, took)
+        return _ONE.pack(MAGIC, 1, max(0, dropped), 0, o.status.wire, o.value is not None,
+                         0.0 if o.value is None else float(o.value), 0, took)
     parts = [b""]
     for o in outcomes:
         error = _utf8(o.error or "", MAX_ERROR_BYTES)
-        has_value = o.value is not None
-        parts.append(_SAMPLE.pack(o.status.wire, has_value, float(o.value) if has_value else 0.0, len(error), took))
+        parts.append(_SAMPLE.pack(o.status.wire, o.value is not None, 0.0 if o.value is None else float(o.value),
+                                  len(error), took))
         parts.append(error)
     log_bytes = _utf8(logs, max_log_bytes + LOG_SLACK_BYTES)
     parts[0] = _HEADER.pack(MAGIC, len(outcomes), max(0, dropped), len(log_bytes))
@@ -187,7 +188,7 @@ def sample_error_length(head: bytes) -> int:
     return length
 
 
-def answer_length(data: bytes, samples: int, start: int = 0) -> Optional[int]:
+def answer_length(data: Union[bytes, bytearray], samples: int, start: int = 0) -> Optional[int]:
     """How long the answer that starts ``data`` is, once enough of it arrived to tell (None before that), so the
     reader stops at its end instead of waiting for the socket to close (a process the sample left behind may hold
     it open). The result is only a length: :func:`decode_result` still checks everything."""
@@ -217,7 +218,7 @@ def decode_clean_units(data: bytearray, start: int, samples: int, units: int, ma
     Raises:
         MalformedResult: an answer that arrived whole does not parse.
     """
-    results = []
+    results: list[ChunkResult] = []
     end = len(data)
     while len(results) < units and start < end and data[start] == MAGIC[0]:
         if samples == 1 and start + _ONE.size < end:

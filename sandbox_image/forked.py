@@ -129,6 +129,8 @@ class Forker:
         handed: list = []  # once the child first wrote to (or closed) its runner socket: whether the runner took it
 
         def hand_over_runner() -> None:
+            # Only ever called with a runner: its end is what the wait watches (_poller)
+            assert self.runner is not None and runner_end is not None
             handed.append(hand_over(self.runner, runner_end))
             if not handed[0]:  # the runner is gone: the child's program calls end now (EOF), not at its deadline
                 runner_end.close()
@@ -221,7 +223,7 @@ class Forker:
             if runner_end is not None:
                 runner_end.close()
         status = reaped.get(pid, status)
-        if handed and not (handed[0] and run_requests.release(self.runner)):
+        if handed and not (handed[0] and self.runner is not None and run_requests.release(self.runner)):
             # Its next process gets a socket of its own, and with it a monitor of its own.
             retire = retire or "the program runner is gone, or did not let go of a finished sample's socket"
         try:
@@ -241,9 +243,9 @@ class Forker:
             try:
                 if length > limit:
                     raise codec.MalformedResult(f"the answer declared {length} bytes, over the limit of {limit}")
-                with memoryview(answer) as whole, whole[_LENGTH.size:_LENGTH.size + length] as data:
-                    codec.check_result(data, samples, max_log_bytes)
-                    send(data, retire)
+                with memoryview(answer) as whole, whole[_LENGTH.size:_LENGTH.size + length] as view:
+                    codec.check_result(view, samples, max_log_bytes)
+                    send(view, retire)
                 return retire
             except codec.MalformedResult as e:
                 failed, why = Status.INVALID, str(e)
@@ -376,7 +378,10 @@ def _wait(poller: select.poll, done: int, deadline: float, runner_end: Optional[
                 deadline += later
                 continue
             return Status.TIMEOUT, ""
-        poller.unregister(runner_end)  # the child wants the runner (or will never call it): it is the runner's now
+        # The child wants the runner (or will never call it): it is the runner's now. Only the runner's end is
+        # watched besides the two pipes (_poller).
+        assert runner_end is not None
+        poller.unregister(runner_end)
         hand_over_runner()
     try:
         byte = os.read(done, 1)

@@ -301,10 +301,11 @@ class FunctionPool:
             self.broken_slots.add(message["slot"])
             log.error("reward %s: slot %s cannot be prepared: %s", self.name, message["slot"], message["reason"])
             if len(self.broken_slots) >= self.slots:
-                self._gone(f"no slot process could be prepared ({message['reason']})")
+                why = f"no slot process could be prepared ({message['reason']})"
+                self._gone(why)
                 self.close()  # the template exits and its uids return to the supervisor
                 if self._on_broken is not None:  # the sandbox cannot heal this: have the host replace it
-                    self._on_broken(self.dead)
+                    self._on_broken(self.dead or why)
 
     def _gone(self, why: str) -> None:
         if self.dead is None:
@@ -488,14 +489,15 @@ class FunctionPool:
             result.add_failed(failed)
             result.workers_replaced = 1
             return result
-        singles = []
+        first: list[tuple[Optional[ChunkResult], Optional[Outcome], bool]] = []  # (answer, failure, OOM victim)
         for i, (single_done, single_failed, oom) in enumerate(
                 await self._requests(batch, range(len(batch)), timeout_s, state)):
             single_done, single_failed = _hung_or_crashed(single_done, single_failed)
-            singles.append((single_done, single_failed, oom and single_failed is not None and _crashed(single_failed)))
+            first.append((single_done, single_failed,
+                          bool(oom) and single_failed is not None and _crashed(single_failed)))
         # once the others are done (the sample that filled the sandbox among them): see oom_kills
         singles = [_hung_or_crashed(*await self._again(batch, i, timeout_s, state)) if victim else (d, f)
-                   for i, (d, f, victim) in enumerate(singles)]
+                   for i, (d, f, victim) in enumerate(first)]
         innocent = [i for i, (single_done, _) in enumerate(singles) if single_done is not None]
         together: Optional[ChunkResult] = None
         again: Optional[Outcome] = failed
@@ -510,6 +512,7 @@ class FunctionPool:
                 k = position[i]
                 result.add(ChunkResult([together.values[k]], [together.statuses[k]], [together.errors[k]]))
             else:  # the innocent samples failed together as well: they share that failure
+                assert again is not None  # _hung_or_crashed gives an answer or a failure
                 result.add_failed(Outcome.failed(again.status, f"{again.error} (scored together with the other "
                                                                "samples that pass alone)"))
         result.logs = together.logs if together is not None else ""
@@ -542,8 +545,7 @@ class FunctionPool:
                                 units: Optional[int] = None, texts: Optional[_OutputBudget] = None) -> "_Streamed":
         """A streamed request (isolation: sample and process) of ``units`` units (default: one per sample); each
         answer's texts within ``texts``, if given."""
-        return await self._send(batch, timeout_s, state, lambda ours, request, *args: self._stream(
-            ours, request, *args, units=units, texts=texts))
+        return await self._send(batch, timeout_s, state, functools.partial(self._stream, units=units, texts=texts))
 
     async def _send(self, batch: SampleBatch, timeout_s: float, state: Optional[dict], exchange: Callable):
         """Sends a request to the template with a socket of its own and runs ``exchange`` on that socket. Tells the
@@ -552,7 +554,9 @@ class FunctionPool:
         Raises:
             PoolUnavailable: the template is gone (nothing started), so the caller can retry elsewhere.
         """
-        async with self._gate:
+        gate = self._gate
+        assert gate is not None  # made by start(), before any request
+        async with gate:
             if self.dead is not None:
                 raise PoolUnavailable(f"reward {self.name!r}: {self.dead}")
             request = next(self._ids)

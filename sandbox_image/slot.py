@@ -499,6 +499,7 @@ def run(loaded: worker.Loaded, slot: SlotSpec, control: socket.socket, mode: str
             return
         forker = None
         if forks(mode, slot):
+            assert slot.uid is not None  # forks() says so
             forker = forked.Forker(close=(control.fileno(),), runner=execution.attached_socket(),
                                    scratch=private_tmp.home(slot.private_tmp, slot.directory),
                                    unix_sockets=sockets.UnixSockets(slot.uid))

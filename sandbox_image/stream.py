@@ -170,7 +170,7 @@ class StreamReader:
         self.state = State.TRAILER if self.forked else State.DONE
         return Answered([result], clean=False)
 
-    def _trailer(self, first: bytes) -> Optional[Trailer]:
+    def _trailer(self, first: bytearray) -> Optional[Trailer]:
         if first == Marker.CLEAN:
             self._pos += 1
             self._unit_done(0)

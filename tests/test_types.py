@@ -22,7 +22,8 @@ def test_the_package_type_checks_with_mypy():
         pytest.fail("mypy is missing; run `pip install -e .[dev]`")
     runpy.run_path(str(ROOT / "docs" / "hooks" / "package_tree.py"))  # builds the tree on load
     check = subprocess.run(
-        [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), "-p", "rewardbox"],
+        [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
+         "--cache-dir", str(ROOT / "build" / "mypy-cache"), "-p", "rewardbox"],
         cwd=TREE, capture_output=True, text=True, timeout=540,
     )
     assert check.returncode == 0, f"mypy found errors:\n{check.stdout}{check.stderr}"

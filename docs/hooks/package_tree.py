@@ -37,7 +37,8 @@ def _sync(package: str, folder: Path, mapping: dict[str, Path]) -> None:
     depth = package.count(".") + 1
     children = {name.rsplit(".", 1)[1] for name in mapping if name.startswith(package + ".") and name.count(".") == depth}
     wanted = {entry.name for entry in folder.iterdir() if entry.name != "__pycache__"} - children
-    for stale in {entry.name for entry in here.iterdir()} - wanted - children:
+    # (a __pycache__ there is Python's own, where something imported from the tree: not ours to remove)
+    for stale in {entry.name for entry in here.iterdir()} - wanted - children - {"__pycache__"}:
         (here / stale).unlink()
     for name in wanted:
         _link(folder / name, here / name)
