@@ -216,7 +216,8 @@ def decode_clean_units(data: bytearray, start: int, samples: int, units: int, ma
     Returns (their ChunkResults, where it stopped). ``forked``: see :func:`decode_result`.
 
     Raises:
-        MalformedResult: an answer that arrived whole does not parse.
+        MalformedResult: the first answer, arrived whole, does not parse (one after others that did stops the
+        parse there: the error is that unit's, not theirs).
     """
     results: list[ChunkResult] = []
     end = len(data)
@@ -236,7 +237,12 @@ def decode_clean_units(data: bytearray, start: int, samples: int, units: int, ma
         length = answer_length(data, samples, start)
         if length is None or start + length >= end or data[start + length] != clean:
             break
-        results.append(decode_result(bytes(data[start:start + length]), samples, max_log_bytes, forked))
+        try:
+            results.append(decode_result(bytes(data[start:start + length]), samples, max_log_bytes, forked))
+        except MalformedResult:
+            if results:  # the units before it keep their answers; the caller reads this one again, and blames it
+                break
+            raise
         start += length + 1
     return results, start
 

@@ -601,7 +601,8 @@ class FunctionPool:
         # The slot process moves a unit's deadline by what its processes waited for a CPU others held (cpu_wait),
         # within cpu_wait.most_forgiven_s in all; this one moves with it, never further.
         reader = stream.StreamReader(units, len(batch) // units, self.config.max_log_bytes, forked,
-                                     cpu_wait.most_forgiven_s(timeout_s) + WAITED_SLACK_S)
+                                     cpu_wait.most_forgiven_s(timeout_s) + WAITED_SLACK_S,
+                                     cpu_wait.MIN_EXTENSION_MS / 1000)
         receive = _Receiver(ours, loop)
         unit_s = self._hard_timeout(len(batch) // units, timeout_s)
         deadline_s = loop.time() + unit_s  # each unit's answer and trailer, from the end of the last one
@@ -620,7 +621,7 @@ class FunctionPool:
                 elif event.reason is None:  # a CLEAN trailer
                     deadline_s = loop.time() + unit_s
                 else:
-                    log.warning("reward %s: a slot process retires after sample %d of its request: %s", self.name,
+                    log.warning("reward %s: a slot process retires after sample %d of its request: %r", self.name,
                                 event.index, event.reason)
                     streamed.retired = True
                     return streamed
@@ -640,6 +641,14 @@ class FunctionPool:
                 return streamed
             streamed.failed = self._kill(request, timeout_s) if timed_out else await self._died(request)
         except codec.MalformedResult as e:
+            if reader.state is stream.State.TRAILER:
+                # After a whole answer, before its trailer: no unit runs (the next starts only once the trailer
+                # is out), so no unit is blamed: the process that sent it is killed and retires, and the units
+                # after it go back to the queue.
+                log.warning("reward %s: a slot process broke the stream after an answer: %s", self.name, e)
+                self._kill(request, timeout_s)
+                streamed.retired = True
+                return streamed
             streamed.failed = Outcome.failed(Status.INVALID, f"malformed answer from the worker: {e}")
         if streamed.failed is not None or len(streamed.answered) < units:
             streamed.retired = True

@@ -116,21 +116,28 @@ Event = Union[Answered, Trailer, Waited]
 class StreamReader:
     """Reads one request's stream (see the module docstring) of ``units`` units of ``per_unit`` samples each:
     :meth:`feed` what arrives, then take :meth:`next` events until it returns None (it needs more bytes).
-    ``waited_budget_s``: the most a unit's deadline may move in all.
+    ``waited_budget_s``: the most a unit's deadline may move in all; ``waited_least_s``: the least one WAITED
+    marker may move it (the slot process never sends less: a stream of markers of no time would otherwise never
+    end).
 
     Every method raises :class:`.codec.MalformedResult` where the stream breaks the format; the reader is then
     unusable. Which unit a timeout or an end of stream is blamed on is the caller's, from :attr:`state`: in
     ``TRAILER`` the running unit had answered whole.
     """
 
-    def __init__(self, units: int, per_unit: int, max_log_bytes: int, forked: bool, waited_budget_s: float = 0.0):
+    def __init__(self, units: int, per_unit: int, max_log_bytes: int, forked: bool, waited_budget_s: float = 0.0,
+                 waited_least_s: float = 0.0):
         self.units, self.per_unit, self.max_log_bytes = units, per_unit, max_log_bytes
-        self.forked, self.waited_budget_s = forked, waited_budget_s
+        self.forked, self.waited_budget_s, self.waited_least_s = forked, waited_budget_s, waited_least_s
         self.state = State.FORKING if forked else State.UNIT
         self.answered = 0  # units whose answer came
         self.moved_s = 0.0  # how far the running unit's deadline moved
         self._buffer = bytearray()
         self._pos = 0
+        # How far the answer at the read position was scanned: [samples declared, log bytes declared, offset from
+        # the read position, samples scanned] (None: not begun). A unit of many samples arrives in many pieces;
+        # each is scanned once.
+        self._scan: Optional[list] = None
 
     def feed(self, data: bytes) -> None:
         if self._pos:
@@ -153,7 +160,7 @@ class StreamReader:
             return self._trailer(first)
         if self.forked and first == Marker.WAITED:
             return self._waited()
-        if self.forked:
+        if self.forked and self.per_unit == 1:
             clean, self._pos = codec.decode_clean_units(self._buffer, self._pos, self.per_unit,
                                                         self.units - self.answered, self.max_log_bytes,
                                                         Marker.CLEAN[0], True)
@@ -166,6 +173,7 @@ class StreamReader:
         result = codec.decode_result(bytes(self._buffer[self._pos:self._pos + length]), self.per_unit,
                                      self.max_log_bytes, self.forked)
         self._pos += length
+        self._scan = None
         self.answered += 1
         self.state = State.TRAILER if self.forked else State.DONE
         return Answered([result], clean=False)
@@ -192,6 +200,9 @@ class StreamReader:
         if len(self._buffer) - self._pos < WAITED_SIZE:
             return None
         seconds = _WAITED.unpack_from(self._buffer, self._pos)[1] / 1000
+        if seconds < self.waited_least_s:
+            raise codec.MalformedResult(f"a WAITED marker of {seconds * 1000:.0f} ms, less than the least a "
+                                        f"deadline moves by")
         if self.moved_s + seconds > self.waited_budget_s:
             raise codec.MalformedResult(f"the unit's deadline moved {self.moved_s + seconds:.3f} s, more than "
                                         f"its timeout allows")
@@ -202,6 +213,7 @@ class StreamReader:
     def _unit_done(self, answered: int) -> None:
         self.answered += answered
         self.moved_s = 0.0
+        self._scan = None
         self.state = State.UNIT if self.answered < self.units else State.DONE
 
     def _answer_length(self) -> Optional[int]:
@@ -209,19 +221,20 @@ class StreamReader:
         declares checked as soon as its bytes are here (:func:`.codec.frame_header`,
         :func:`.codec.sample_error_length`), so nothing past a bound is ever waited for."""
         data, start = self._buffer, self._pos
-        if len(data) - start < codec.HEADER_SIZE:
-            if not codec.MAGIC.startswith(bytes(data[start:start + len(codec.MAGIC)])):
-                raise codec.MalformedResult("a streamed answer does not start with the magic bytes")
-            return None
-        count, log_length = codec.frame_header(bytes(data[start:start + codec.HEADER_SIZE]), self.per_unit,
-                                               self.max_log_bytes)
-        offset = start + codec.HEADER_SIZE
-        for _ in range(count):
-            if len(data) - offset < codec.SAMPLE_SIZE:
+        if self._scan is None:
+            if len(data) - start < codec.HEADER_SIZE:
+                if not codec.MAGIC.startswith(bytes(data[start:start + len(codec.MAGIC)])):
+                    raise codec.MalformedResult("a streamed answer does not start with the magic bytes")
                 return None
-            offset += codec.SAMPLE_SIZE + codec.sample_error_length(bytes(data[offset:offset + codec.SAMPLE_SIZE]))
-            if offset > len(data):
-                return None
-        if len(data) < offset + log_length:
+            count, log_length = codec.frame_header(bytes(data[start:start + codec.HEADER_SIZE]), self.per_unit,
+                                                   self.max_log_bytes)
+            self._scan = [count, log_length, codec.HEADER_SIZE, 0]
+        count, log_length, offset, scanned = self._scan
+        while scanned < count and len(data) - start - offset >= codec.SAMPLE_SIZE:
+            fixed = start + offset
+            offset += codec.SAMPLE_SIZE + codec.sample_error_length(bytes(data[fixed:fixed + codec.SAMPLE_SIZE]))
+            scanned += 1
+        self._scan[2:] = [offset, scanned]
+        if scanned < count or len(data) - start < offset + log_length:
             return None
-        return offset + log_length - start
+        return offset + log_length

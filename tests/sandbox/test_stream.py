@@ -87,17 +87,20 @@ FORGED = [  # (name, forked, units, bytes, what the error says)
     ("a status no one knows", True, 1, F + raw(status=99, has_value=0) + C, "invalid field"),
     ("has_value neither 0 nor 1", True, 1, F + raw(has_value=7) + C, "invalid field"),
     ("a WAITED marker alone: not in a forked stream", False, 1, stream.waited(1), "magic bytes"),
+    ("a WAITED marker of no time (endless, else)", True, 1, F + stream.waited(0), "WAITED marker of 0 ms"),
+    ("a WAITED marker under the least extension", True, 1, F + stream.waited(9), "WAITED marker of 9 ms"),
 ]
 
 
-def read(forked: bool, units: int, data: bytes, byte_by_byte: bool = False, budget_s: float = 1.0):
-    reader = stream.StreamReader(units, 1, MAX_LOG, forked, budget_s)
+def read(forked: bool, units: int, data: bytes, byte_by_byte: bool = False, budget_s: float = 1.0,
+         per_unit: int = 1):
+    reader = stream.StreamReader(units, per_unit, MAX_LOG, forked, budget_s, 0.01)
     values, marks = [], []
     for chunk in ([data[i:i + 1] for i in range(len(data))] if byte_by_byte else [data]):
         reader.feed(chunk)
         while (event := reader.next()) is not None:
             if isinstance(event, stream.Answered):
-                values += [r.values[0] for r in event.results]
+                values += [v for r in event.results for v in r.values]
             elif isinstance(event, stream.Waited):
                 marks.append(("waited", event.seconds))
             elif event.reason is None:
@@ -130,6 +133,42 @@ def test_forged_or_out_of_order_bytes_are_a_malformed_answer(name, forked, units
     for byte_by_byte in (False, True):
         with pytest.raises(codec.MalformedResult, match=message.replace(".", r"\.")):
             read(forked, units, data, byte_by_byte)
+
+
+def test_a_batch_style_unit_reads_all_its_samples_once_each_however_it_arrives(monkeypatch):
+    """One unit of many samples (a batch-style call), forked and alone: every sample's fixed part is scanned once,
+    however many pieces the answer comes in (a scan from the answer's start on each piece was quadratic)."""
+    n = 500
+    outcomes = [Outcome.ok(float(i)) if i % 3 else Outcome(None, Status.ERROR, f"err {i}") for i in range(n)]
+    answer = codec.encode_result(outcomes, "some logs", 0, MAX_LOG)
+    scans = []
+    real = codec.sample_error_length
+    monkeypatch.setattr(codec, "sample_error_length", lambda head: scans.append(1) or real(head))
+    for forked, data in ((True, F + answer + C), (False, answer)):
+        for piece in (len(data), 22):
+            scans.clear()
+            reader = stream.StreamReader(1, n, MAX_LOG, forked, 1.0, 0.01)
+            values = []
+            for i in range(0, len(data), piece):
+                reader.feed(data[i:i + piece])
+                while (event := reader.next()) is not None:
+                    if isinstance(event, stream.Answered):
+                        values += [v for r in event.results for v in r.values]
+            assert values == [o.value for o in outcomes] and reader.state is State.DONE
+            assert len(scans) == n
+
+
+def test_a_broken_answer_after_clean_ones_in_one_piece_is_blamed_on_its_own_unit():
+    """Units that answered well keep their answers when a later one in the same piece breaks the format: the error is
+    the broken unit's (the reader stands at it), not the first unit's."""
+    reader = stream.StreamReader(3, 1, MAX_LOG, True, 1.0, 0.01)
+    reader.feed(F + ok(1.0) + C + ok(2.0) + C + raw(value=math.nan) + C)
+    event = reader.next()
+    assert isinstance(event, stream.Answered) and [r.values[0] for r in event.results] == [1.0, 2.0]
+    assert reader.answered == 2 and reader.state is State.UNIT
+    with pytest.raises(codec.MalformedResult, match="answered value nan"):
+        reader.next()
+    assert reader.answered == 2
 
 
 def test_a_declared_length_is_refused_before_its_bytes_are_waited_for():

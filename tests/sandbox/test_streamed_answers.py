@@ -9,6 +9,8 @@ import mmap
 import socket
 import threading
 
+import pytest
+
 from rewardbox.sandbox import codec, stream
 from rewardbox.sandbox.channel import ChannelClosed, pair, recv, send
 from rewardbox.sandbox.pools import FunctionPool
@@ -28,10 +30,11 @@ def _read_request(sock: socket.socket) -> codec.Request:
     return codec.Request(body)
 
 
-def _template(sock: socket.socket, cut_after: int, served: list) -> None:
+def _template(sock: socket.socket, cut_after: int, served: list, tail: bytes = b"") -> None:
     """Says it loaded a forking function, then serves each request as a forking slot process does: each unit's
     answer (its completion's length) and its CLEAN trailer. In the first request, after the answer of unit
-    ``cut_after`` the slot process ends without its trailer (as when the kernel kills it there)."""
+    ``cut_after`` the slot process sends ``tail`` instead of its trailer and ends (as when the kernel kills it
+    there)."""
     send(sock, {"op": "loaded", "forks": True, "info": {
         "is_async": False, "accepted_keywords": [], "accepts_var_keywords": False, "signature": "(prompt, completion, "
         "example)", "required_keywords": []}})
@@ -51,22 +54,25 @@ def _template(sock: socket.socket, cut_after: int, served: list) -> None:
                 served.append(completion)
                 answer = codec.encode_result([Outcome.ok(float(len(completion)))], "", 0, 4096, 0.001)
                 if first and k == cut_after:
-                    request_sock.sendall(answer)
+                    request_sock.sendall(answer + tail)
                     break
                 request_sock.sendall(answer + stream.Marker.CLEAN)
             request.close()
         first = False
 
 
-def test_a_slot_process_that_ends_between_an_answer_and_its_trailer_blames_no_sample():
+@pytest.mark.parametrize("tail", [b"", b"X", bytes(stream.Marker.RETIRE) + b"\x01", stream.Marker.WAITED],
+                         ids=["nothing", "a byte no trailer starts with", "half a retire marker", "a WAITED marker"])
+def test_a_slot_process_that_ends_between_an_answer_and_its_trailer_blames_no_sample(tail):
     """The answer came whole (the unit's processes were gone and its /tmp emptied before it was sent): the unit keeps
-    its score, the units after it were never started and are scored by the next process, nobody gets a crash (the
-    server used to blame the next unit, and raised IndexError when the cut came after the request's last unit)."""
+    its score, the units after it were never started and are scored by the next process, nobody gets a crash or an
+    invalid (the server used to blame the next unit, and raised IndexError when the cut came after the request's
+    last unit), whatever the slot process sent or did not send where the trailer belongs."""
     for cut_after in (1, 3):  # in the middle of the request; after its last unit
         completions = ["a", "bb", "ccc", "dddd"]
         ours, theirs = pair()
         served: list = []
-        peer = threading.Thread(target=_template, args=(theirs, cut_after, served), daemon=True)
+        peer = threading.Thread(target=_template, args=(theirs, cut_after, served, tail), daemon=True)
         peer.start()
 
         async def score():
