@@ -600,11 +600,12 @@ class FunctionPool:
         forked = self._forks()
         # The slot process moves a unit's deadline by what its processes waited for a CPU others held (cpu_wait),
         # within cpu_wait.most_forgiven_s in all; this one moves with it, never further.
-        reader = stream.StreamReader(units, len(batch) // units, self.config.max_log_bytes, forked,
+        per_unit = len(batch) // units
+        reader = stream.StreamReader(units, per_unit, self.config.max_log_bytes, forked,
                                      cpu_wait.most_forgiven_s(timeout_s) + WAITED_SLACK_S,
                                      cpu_wait.MIN_EXTENSION_MS / 1000)
         receive = _Receiver(ours, loop)
-        unit_s = self._hard_timeout(len(batch) // units, timeout_s)
+        unit_s = self._hard_timeout(per_unit, timeout_s)
         deadline_s = loop.time() + unit_s  # each unit's answer and trailer, from the end of the last one
         try:
             while reader.state is not stream.State.DONE:
@@ -628,28 +629,24 @@ class FunctionPool:
             if not forked:  # the process scored its one unit itself and serves no other request
                 streamed.retired = True
                 return streamed
-        except (asyncio.TimeoutError, _Ended) as e:
-            timed_out = isinstance(e, asyncio.TimeoutError)
+        except (asyncio.TimeoutError, _Ended, codec.MalformedResult) as e:
             if reader.state is stream.State.TRAILER:
-                # The unit's answer came whole, sent once its processes were gone and its /tmp emptied: what
-                # stopped or ended the slot process before the trailer (the kernel's OOM killer, the memory
-                # guard) is no unit's doing. It retires; the units after it were never started and go back to
-                # the queue.
-                if timed_out:
+                # The unit's answer came whole, sent once its processes were gone and its /tmp emptied, and no unit
+                # runs until its trailer is out: what stopped or ended the slot process there (the kernel's OOM
+                # killer, the memory guard), or what it sent instead of a trailer, is no unit's doing. It retires
+                # (killed unless it ended); the units after it were never started and go back to the queue.
+                if isinstance(e, codec.MalformedResult):
+                    log.warning("reward %s: a slot process broke the stream after an answer: %s", self.name, e)
+                if not isinstance(e, _Ended):
                     self._kill(request, timeout_s)
                 streamed.retired = True
                 return streamed
-            streamed.failed = self._kill(request, timeout_s) if timed_out else await self._died(request)
-        except codec.MalformedResult as e:
-            if reader.state is stream.State.TRAILER:
-                # After a whole answer, before its trailer: no unit runs (the next starts only once the trailer
-                # is out), so no unit is blamed: the process that sent it is killed and retires, and the units
-                # after it go back to the queue.
-                log.warning("reward %s: a slot process broke the stream after an answer: %s", self.name, e)
-                self._kill(request, timeout_s)
-                streamed.retired = True
-                return streamed
-            streamed.failed = Outcome.failed(Status.INVALID, f"malformed answer from the worker: {e}")
+            if isinstance(e, codec.MalformedResult):
+                streamed.failed = Outcome.failed(Status.INVALID, f"malformed answer from the worker: {e}")
+            elif isinstance(e, asyncio.TimeoutError):
+                streamed.failed = self._kill(request, timeout_s)
+            else:
+                streamed.failed = await self._died(request)
         if streamed.failed is not None or len(streamed.answered) < units:
             streamed.retired = True
         return streamed
