@@ -4,7 +4,7 @@ its outcome."""
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 
 class Status(str, enum.Enum):
@@ -52,7 +52,7 @@ class Outcome(NamedTuple):
     """What became of one sample: a value only when the status is OK (None is a valid OK value). A named tuple:
     one is made per sample on hot paths."""
 
-    value: Optional[float]
+    value: Union[float, str, None]  # a reward's score; a tool's result, as text (rewardbox.sandbox.codec)
     status: Status
     error: str = ""
 

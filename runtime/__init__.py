@@ -11,6 +11,9 @@
     with rewardbox.sandboxed([accuracy_reward, my_reward], packages=["math-verify"]) as reward_funcs:
         GRPOTrainer(..., reward_funcs=reward_funcs).train()
 
+    with rewardbox.sandboxed_tools([run_python]) as tools:   # a TRL script's tools, each call in a sandbox
+        GRPOTrainer(..., tools=tools).train()
+
 Subpackages: ``rewardbox.backends`` (where sandboxes run; :func:`register_backend` adds one),
 ``rewardbox.trainer`` (GRPO entry point), ``rewardbox.wire`` (what host and sandbox share) and
 ``rewardbox.sandbox`` (the sandbox server, which the host never imports).
@@ -49,6 +52,8 @@ _EXPORTS = {
     "RewardSandboxes": ".session",
     "sandboxed": ".dropin",
     "configure": ".dropin",
+    "sandboxed_tools": ".tools",
+    "ToolError": ".tools",
     "RewardSpec": ".spec",
     "RewardboxConfig": ".spec",
     "SandboxSettings": ".spec",
@@ -87,6 +92,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (re-exports, listed in __al
     from .reward import SandboxedReward  # noqa: F401
     from .samples import build_samples, samples_from_rows  # noqa: F401
     from .dropin import configure, sandboxed  # noqa: F401
+    from .tools import ToolError, sandboxed_tools  # noqa: F401
     from .session import RewardSandboxes  # noqa: F401
     from .spec import RewardboxConfig, RewardSpec, SandboxSettings, load_config, parse_config  # noqa: F401
     from .trainer import TrainConfig, load_train_config, train  # noqa: F401

@@ -102,9 +102,15 @@ class _Share:
     last_error: str = ""
 
 
-def checked(score: pb.Score) -> Outcome:
-    """A sandbox's answer for one sample, re-validated: a value only with status ok, and only a finite float."""
+def checked(score: pb.Score, tool: bool = False) -> Outcome:
+    """A sandbox's answer for one sample, re-validated: a value only with status ok, and only a finite float; for a
+    ``tool``, its result's text (``Score.result_json``) instead, and only for a tool."""
     if score.status == _OK_WIRE:
+        if tool or score.result_json:
+            if tool and score.result_json[:1] in ("j", "s"):
+                return Outcome(score.result_json, _OK)
+            return Outcome(None, _INVALID, "the sandbox answered a tool's result for a reward" if not tool else
+                           "the sandbox answered a tool call without its result")
         if not score.HasField("value"):
             return Outcome(None, _OK)
         value = score.value
@@ -375,6 +381,7 @@ class RewardClient:
         if len(reply.scores) != len(todo):
             raise BackendError(f"sandbox {replica.name} returned {len(reply.scores)} scores for {len(todo)} samples")
         outcomes, isfinite, shared = share.outcomes, math.isfinite, replica.shared
+        tool = self.reward.style == "tool"
         deferred, unscored = [], 0
         if share.details:
             for item, score in zip(todo, reply.scores):
@@ -384,7 +391,7 @@ class RewardClient:
                     share.sample_seconds[item[0]] = score.seconds
         for item, score in zip(todo, reply.scores):
             # Nearly every sample: status ok with a finite value. checked() handles the rest the same way.
-            if score.status == _OK_WIRE and score.HasField("value") and isfinite(score.value):
+            if score.status == _OK_WIRE and score.HasField("value") and isfinite(score.value) and not tool:
                 outcomes[item[0]] = Outcome(score.value, _OK)
             elif shared and score.status == _UNAVAILABLE_WIRE:
                 if score.deferred:
@@ -393,7 +400,7 @@ class RewardClient:
                     unscored += 1
                     share.last_error = score.error
             else:
-                outcomes[item[0]] = checked(score)
+                outcomes[item[0]] = checked(score, tool)
         if reply.logs_in_scores:
             share.logs.extend(score.logs for score in reply.scores if score.logs)
         share.logs.append(reply.logs)

@@ -36,7 +36,7 @@ def function_source(reward: RewardSpec, path: Path) -> pb.FunctionSource:
         filename=str(path),
         source=path.read_text(),
         function=reward.function_name,
-        style=pb.STYLE_BATCH if reward.style == "batch" else pb.STYLE_SAMPLE,
+        style=pb.Style.Value(f"STYLE_{reward.style.upper()}"),
         isolation=_ISOLATION[reward.isolation],
         warm=reward.warm or 0,  # 0: the sandbox's default
         workers=reward.workers,

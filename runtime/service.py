@@ -49,7 +49,7 @@ from grpc_reflection.v1alpha import reflection
 from .errors import ConfigError, RewardLoadError, read_named_file
 from .session import RewardSandboxes
 from .spec import RewardboxConfig, RewardSpec
-from .wire import MAX_MESSAGE_BYTES, SERVICE_NAME, VERSION, Status
+from .wire import MAX_MESSAGE_BYTES, SERVICE_NAME, STYLE_NAMES, VERSION, Status
 from .wire.pb import reward_pb2 as pb
 from .wire.pb import reward_pb2_grpc as pb_grpc
 
@@ -330,7 +330,7 @@ class RewardService(pb_grpc.RewardSandboxServicer):
                                     f"this service does not serve a reward named {fn.name!r} (it serves "
                                     f"{self._served()}); add it to the config of `rewardbox serve`")
             assert spec is not None  # context.abort raised
-            style = "batch" if fn.style == pb.STYLE_BATCH else "sample"
+            style = STYLE_NAMES.get(fn.style, "unknown")
             if style != spec.style:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"reward {fn.name!r} is style {spec.style!r} on this service but {style!r} in "

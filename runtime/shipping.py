@@ -130,7 +130,8 @@ def _is_standard(top: str) -> bool:
 class Shipper:
     """Ships callables; one per :func:`rewardbox.sandboxed` call (it reads the installed distributions once)."""
 
-    def __init__(self) -> None:
+    def __init__(self, call: str = "sandboxed") -> None:
+        self.call = call  # what errors name: rewardbox.sandboxed, rewardbox.sandboxed_tools
         self.distributions = importlib.metadata.packages_distributions()  # top-level module -> distributions
 
     def _distribution(self, top: str) -> Optional[str]:
@@ -159,7 +160,7 @@ class Shipper:
                     data, recorder = _pickle(fn)
                 except Exception as e:  # noqa: BLE001 - whatever cloudpickle or an object's __reduce__ raises
                     raise ConfigError(
-                        f"rewardbox.sandboxed: {label} cannot be shipped to a sandbox: {type(e).__name__}: {e}. "
+                        f"rewardbox.{self.call}: {label} cannot be shipped to a sandbox: {type(e).__name__}: {e}. "
                         "A reward function is copied into its sandbox with everything it refers to (closure cells, "
                         "globals, defaults); an open socket, file, lock, thread or a C object cannot be copied: "
                         "create it inside the function, or put the function in a file and use a config "
@@ -198,7 +199,7 @@ class Shipper:
                 continue
             if name in TRAINER_STACK:
                 raise ConfigError(
-                    f"rewardbox.sandboxed: {label} refers to {what}, of {distribution}, the trainer's own stack, "
+                    f"rewardbox.{self.call}: {label} refers to {what}, of {distribution}, the trainer's own stack, "
                     f"which a sandbox does not install by itself (gigabytes, and rarely what a reward needs): "
                     "compute the reward without it (a tokenizer or model captured from the script is the usual "
                     f"cause: pass what it computes, e.g. completion_ids, instead), or name it in packages=[...] "

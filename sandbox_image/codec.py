@@ -12,6 +12,10 @@ evaluated; a result that does not parse exactly is the samples' ``invalid``, nev
     per sample: u8 status | u8 has value | f64 value | u32 error bytes | f32 seconds (NaN: unknown) | error (UTF-8)
     logs (UTF-8)
 
+``has value`` is 0 (None), 1 (the f64) or 2: a tool's result (``style: tool``), whose text (``"j"`` and JSON, or
+``"s"`` and a str(): :func:`.worker.tool_result`) takes the error's place, up to MAX_RESULT_BYTES; only a one-sample
+answer with status ok carries one (a tool call is a one-sample request), and the server takes it only from a tool.
+
 The stream these answers travel in (the STARTED byte, and for ``isolation: sample`` and ``process`` the markers
 between answers) is :mod:`.stream`'s.
 """
@@ -33,6 +37,8 @@ _SAMPLE = struct.Struct("<BBdIf")
 _ONE = struct.Struct("<4sIQIBBdIf")  # a one-sample answer's header and sample together (the streamed common case)
 MAX_SECONDS = 1e6  # a time beyond this (or negative, or not finite) is not taken
 MAX_ERROR_BYTES = 8 * 1024
+MAX_RESULT_BYTES = 256 * 1024  # a tool's result (has value 2): what a model's context can take, and more
+RESULT = 2  # the "has value" of a tool's result
 LOG_SLACK_BYTES = 4 * 1024  # the "[n more characters dropped]" note and multi-byte characters
 # Statuses a worker may report itself; crash and unavailable are only ever concluded by the server or the host.
 _WORKER_STATUSES = {Status.OK.wire: Status.OK, Status.ERROR.wire: Status.ERROR, Status.TIMEOUT.wire: Status.TIMEOUT,
@@ -136,12 +142,17 @@ def encode_result(outcomes: Sequence[Outcome], logs: str, dropped: int, max_log_
     """The worker's answer; ``seconds``: how long the unit took (each of its samples gets it). Never raises for what
     the values or texts contain."""
     took = math.nan if seconds is None else min(seconds, MAX_SECONDS)
-    if len(outcomes) == 1 and not logs and not outcomes[0].error:  # a sample's own answer, the streamed common case
-        o = outcomes[0]
+    if len(outcomes) == 1 and not logs and not outcomes[0].error and not isinstance(outcomes[0].value, str):
+        o = outcomes[0]  # a sample's own answer, the streamed common case
         return _ONE.pack(MAGIC, 1, max(0, dropped), 0, o.status.wire, o.value is not None,
                          0.0 if o.value is None else float(o.value), 0, took)
     parts = [b""]
     for o in outcomes:
+        if isinstance(o.value, str):  # a tool's result (the worker checked its size: see worker.tool_result)
+            text = _utf8(o.value, MAX_RESULT_BYTES)
+            parts.append(_SAMPLE.pack(o.status.wire, RESULT, 0.0, len(text), took))
+            parts.append(text)
+            continue
         error = _utf8(o.error or "", MAX_ERROR_BYTES)
         parts.append(_SAMPLE.pack(o.status.wire, o.value is not None, 0.0 if o.value is None else float(o.value),
                                   len(error), took))
@@ -153,8 +164,9 @@ def encode_result(outcomes: Sequence[Outcome], logs: str, dropped: int, max_log_
 
 
 def result_limit(samples: int, max_log_bytes: int) -> int:
-    """The most bytes a well-formed answer for this many samples can have."""
-    return _HEADER.size + samples * (_SAMPLE.size + MAX_ERROR_BYTES) + max_log_bytes + LOG_SLACK_BYTES
+    """The most bytes a well-formed answer for this many samples can have (one sample: a tool's result too)."""
+    texts = MAX_RESULT_BYTES if samples == 1 else samples * MAX_ERROR_BYTES
+    return _HEADER.size + samples * _SAMPLE.size + texts + max_log_bytes + LOG_SLACK_BYTES
 
 
 HEADER_SIZE = _HEADER.size
@@ -176,15 +188,22 @@ def frame_header(header: bytes, samples: int, max_log_bytes: int) -> tuple[int, 
     return count, log_length
 
 
-def sample_error_length(head: bytes) -> int:
-    """The error text's length that one sample's fixed part declares.
+def _text_bound(has_value: int, samples: int) -> int:
+    """The most bytes one sample's text may have: a tool's result (one-sample answers only), else an error."""
+    return MAX_RESULT_BYTES if has_value == RESULT and samples == 1 else MAX_ERROR_BYTES
+
+
+def sample_error_length(head: bytes, samples: int) -> int:
+    """The text's length (an error, or a tool's result) that one sample's fixed part declares, in an answer for
+    ``samples`` samples.
 
     Raises:
-        MalformedResult: over MAX_ERROR_BYTES.
+        MalformedResult: over its bound (:func:`_text_bound`).
     """
-    length = _SAMPLE.unpack(head)[3]
-    if length > MAX_ERROR_BYTES:
-        raise MalformedResult(f"a sample's error text declares {length} bytes")
+    _, has_value, _, length, _ = _SAMPLE.unpack(head)
+    if length > _text_bound(has_value, samples):
+        raise MalformedResult(f"a sample's {'result' if has_value == RESULT else 'error'} text declares {length} "
+                              "bytes")
     return length
 
 
@@ -249,8 +268,8 @@ def decode_clean_units(data: bytearray, start: int, samples: int, units: int, ma
 
 def _walk(data, samples: int, max_log_bytes: int, forked: bool) -> tuple[list, int, int]:
     """Checks a worker's answer for ``samples`` samples field by field, reading it in place (``data``: bytes, or a
-    mapping or view of one: nothing of it is copied). Returns ([(status, value or None, error start, error end,
-    seconds) per sample], where the logs start, dropped characters).
+    mapping or view of one: nothing of it is copied). Returns ([(status, value or None, text start, text end,
+    seconds, whether the text is a tool's result) per sample], where the logs start, dropped characters).
 
     Raises:
         MalformedResult: anything at all is off.
@@ -271,14 +290,17 @@ def _walk(data, samples: int, max_log_bytes: int, forked: bool) -> tuple[list, i
         code, has_value, value, error_length, seconds = _SAMPLE.unpack_from(data, offset)
         offset += _SAMPLE.size
         status = (_FORKED_STATUSES if forked else _WORKER_STATUSES).get(code)
-        if status is None or has_value not in (0, 1) or error_length > MAX_ERROR_BYTES:
+        if status is None or has_value not in (0, 1, RESULT) or error_length > _text_bound(has_value, count):
             raise MalformedResult(f"the worker's answer has an invalid field (status {code}, has_value "
-                                  f"{has_value}, error length {error_length})")
+                                  f"{has_value}, text length {error_length})")
         if has_value and (status is not Status.OK or not math.isfinite(value)):
             raise MalformedResult(f"the worker answered value {value} with status {status}")
+        if has_value == RESULT and count != 1:
+            raise MalformedResult(f"the worker answered a tool's result in an answer for {count} samples")
         if offset + error_length > len(data):
             raise MalformedResult("the worker's answer is truncated")
-        fields.append((status, value if has_value else None, offset, offset + error_length, _seconds(seconds)))
+        fields.append((status, value if has_value == 1 else None, offset, offset + error_length, _seconds(seconds),
+                       has_value == RESULT))
         offset += error_length
     if offset + log_length != len(data) or log_length > max_log_bytes + LOG_SLACK_BYTES:
         raise MalformedResult("the worker's answer has a wrong length")
@@ -303,7 +325,11 @@ def decode_result(data: bytes, samples: int, max_log_bytes: int, forked: bool = 
         MalformedResult: anything at all is off.
     """
     fields, logs_start, dropped = _walk(data, samples, max_log_bytes, forked)
-    return ChunkResult([value for _, value, _, _, _ in fields], [status for status, _, _, _, _ in fields],
-                       [data[start:end].decode("utf-8", "replace") for _, _, start, end, _ in fields],
+    values, errors = [], []
+    for _, value, start, end, _, result in fields:
+        text = data[start:end].decode("utf-8", "replace")
+        values.append(text if result else value)  # a tool's result is the sample's value, as text
+        errors.append("" if result else text)
+    return ChunkResult(values, [status for status, *_ in fields], errors,
                        data[logs_start:].decode("utf-8", "replace"), dropped,
-                       [seconds for _, _, _, _, seconds in fields])
+                       [seconds for _, _, _, _, seconds, _ in fields])

@@ -34,7 +34,9 @@ from ..wire import (
     DEFAULT_WORKERS,
     GRPC_OPTIONS,
     SERVICE_NAME,
+    STYLE_NAMES,
     VERSION,
+    Outcome,
     Status,
     sandbox_slots,
     trainer_state_from_wire,
@@ -47,7 +49,6 @@ from .records import SampleBatch, WorkerConfig
 
 log = logging.getLogger("rewardbox.sandbox")
 
-_STYLE_NAMES = {pb.STYLE_SAMPLE: "sample", pb.STYLE_BATCH: "batch"}
 _ISOLATION_NAMES = {pb.ISOLATION_UNSPECIFIED: "sample", pb.ISOLATION_SAMPLE: "sample", pb.ISOLATION_WORKER: "worker",
                     pb.ISOLATION_PROCESS: "process"}
 
@@ -57,7 +58,7 @@ def _info(fp: FunctionPool) -> pb.FunctionInfo:
         name=fp.name,
         filename=fp.filename,
         function=fp.function,
-        style=pb.STYLE_BATCH if fp.style == "batch" else pb.STYLE_SAMPLE,
+        style=pb.Style.Value(f"STYLE_{fp.style.upper()}"),
         is_async=fp.info.is_async,
         signature=fp.info.signature,
         source_sha256=hashlib.sha256(fp.config.source.encode()).hexdigest(),
@@ -67,13 +68,25 @@ def _info(fp: FunctionPool) -> pb.FunctionInfo:
     )
 
 
+def _results(result, tool: bool) -> None:
+    """Checks, in place, that a call's answers carry a tool's result (text in the value's place: :mod:`.codec`)
+    exactly where they must: each ok answer of a tool, no answer of a reward. Either way round is the sample's
+    ``invalid`` (the worker is hostile: it may answer anything the format allows)."""
+    for i, (value, status) in enumerate(zip(result.values, result.statuses)):
+        if status is not Status.OK or isinstance(value, str) == tool:
+            continue
+        failed = Outcome.failed(Status.INVALID, "the worker answered a tool's result for a reward" if not tool
+                                else "the worker answered a score for a tool")
+        result.values[i], result.statuses[i], result.errors[i] = failed
+
+
 def _config(fn: pb.FunctionSource, default_warm: int) -> WorkerConfig:
     return WorkerConfig(
         name=fn.name,
         filename=fn.filename,
         source=fn.source,
         function=fn.function or fn.name,
-        style=_STYLE_NAMES[fn.style],
+        style=STYLE_NAMES[fn.style],
         isolation=_ISOLATION_NAMES.get(fn.isolation, "sample"),
         workers=fn.workers or DEFAULT_WORKERS,
         concurrency=fn.concurrency or DEFAULT_CONCURRENCY,
@@ -152,7 +165,7 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
             errors: list[str] = []
             configs = []
             for fn in request.functions:
-                if fn.style not in _STYLE_NAMES:
+                if fn.style not in STYLE_NAMES:
                     errors.append(f"{fn.filename}: reward {fn.name!r} has no style")
                 else:
                     configs.append(_config(fn, self.default_warm))
@@ -238,6 +251,7 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
         except PoolUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         in_scores = False
+        _results(result, fp.style == "tool")
         if request.sample_details:
             n = len(result.values)
             own = len(result.sample_logs) == n and fp.style != "batch"  # each sample's output is its own
@@ -245,7 +259,8 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
             alone = result.sample_logs if own else [""] * n
             times = result.sample_seconds if len(result.sample_seconds) == n else [None] * n
             scores = [
-                pb.Score(value=value, status=status.wire, error=error, logs=own, seconds=took)
+                pb.Score(result_json=value, status=status.wire, logs=own, seconds=took) if isinstance(value, str)
+                else pb.Score(value=value, status=status.wire, error=error, logs=own, seconds=took)
                 if value is not None and status == Status.OK
                 else pb.Score(status=status.wire, error=error, logs=own, seconds=took)
                 for value, status, error, own, took in zip(result.values, result.statuses, result.errors, alone,
@@ -253,7 +268,8 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
             ]
         else:
             scores = [
-                pb.Score(value=value, status=status.wire, error=error)
+                pb.Score(result_json=value, status=status.wire) if isinstance(value, str)
+                else pb.Score(value=value, status=status.wire, error=error)
                 if value is not None and status == Status.OK
                 else pb.Score(status=status.wire, error=error)
                 for value, status, error in zip(result.values, result.statuses, result.errors)

@@ -231,8 +231,8 @@ class StreamReader:
             self._scan = [count, log_length, codec.HEADER_SIZE, 0]
         count, log_length, offset, scanned = self._scan
         while scanned < count and len(data) - start - offset >= codec.SAMPLE_SIZE:
-            fixed = start + offset
-            offset += codec.SAMPLE_SIZE + codec.sample_error_length(bytes(data[fixed:fixed + codec.SAMPLE_SIZE]))
+            fixed = bytes(data[start + offset:start + offset + codec.SAMPLE_SIZE])
+            offset += codec.SAMPLE_SIZE + codec.sample_error_length(fixed, count)
             scanned += 1
         self._scan[2:] = [offset, scanned]
         if scanned < count or len(data) - start < offset + log_length:

@@ -163,6 +163,9 @@ def resolve_function(config: WorkerConfig, module: types.ModuleType) -> Loaded:
     named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     line = getattr(getattr(fn, "__code__", None), "co_firstlineno", None)
     where = f"{config.filename}:{line}" if line else config.filename
+    if config.style == "tool":  # called as TRL calls a tool, fn(**arguments): any signature will do
+        info = FunctionInfo(_is_async(fn), (), var_kw, f"{name}{sig}", ())
+        return Loaded(fn, info, config)
     if config.style == "sample":
         try:
             sig.bind(None, None, None)
@@ -252,14 +255,52 @@ def _check(value: Any) -> Outcome:
                           f"returned {type(value).__name__} {_shown(value)}; expected a finite float or None")
 
 
-def _error(exc: BaseException) -> Outcome:
+def _error(exc: BaseException, tool: bool = False) -> Outcome:
+    """A reward's exception: its traceback (the end of it). A tool's (``tool``): ``str(e)`` alone, the text TRL shows
+    the model as ``{"error": str(e)}`` in-process, so the model sees the same text sandboxed."""
     try:
         if isinstance(exc, SystemExit):
-            return Outcome.failed(Status.ERROR, f"SystemExit({_shown(exc.code)}) raised by the reward function")
+            return Outcome.failed(Status.ERROR, f"SystemExit({_shown(exc.code)}) raised by the "
+                                                f"{'tool' if tool else 'reward function'}")
+        if tool:
+            return Outcome.failed(Status.ERROR, str(exc)[:MAX_ERROR_CHARS])
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     except BaseException:  # noqa: BLE001 - an exception whose str() or traceback raises
         text = f"{type(exc).__name__} (its message could not be formatted)"
     return Outcome.failed(Status.ERROR, text[-MAX_ERROR_CHARS:])
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether ``b`` (``a`` through JSON and back) is ``a`` exactly: same types all the way down (a tuple comes back
+    a list, an int key a str, True stays True but 1.0 == 1 would not do)."""
+    if type(a) is not type(b):
+        return False
+    if type(a) is dict:
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if type(a) is list:
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def tool_result(value: Any) -> Outcome:
+    """What a tool returned, as the text a one-sample answer carries (:mod:`.codec`, has value 2): ``"j"`` and its
+    JSON where JSON gives back exactly this value (the host returns the value itself), else ``"s"`` and its
+    ``str()`` (the host returns that text: what TRL puts in the conversation, ``str(result)``, is the same)."""
+    from .codec import MAX_RESULT_BYTES
+    text = None
+    try:
+        encoded = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        if _same(value, json.loads(encoded)):
+            text = "j" + encoded
+    except (TypeError, ValueError, RecursionError):  # not JSON's, or NaN, or nested too deep
+        pass
+    if text is None:
+        text = "s" + str(value)
+    size = len(text.encode("utf-8", "replace"))
+    if size > MAX_RESULT_BYTES:
+        return Outcome.failed(Status.INVALID, f"its result takes {size} bytes (as JSON, or its str()), over the "
+                                              f"{MAX_RESULT_BYTES >> 10} KiB a tool's result may have in a sandbox")
+    return Outcome(text, Status.OK)  # a tool's result travels as the value (:mod:`.codec`)
 
 
 def _timeout(timeout_s: float) -> Outcome:
@@ -277,11 +318,18 @@ def _guarded(make: Callable[[], Outcome]) -> Outcome:
         return _error(e)
 
 
+def _outcome(loaded: Loaded, value: Any) -> Outcome:
+    """What a sample's call returned, checked: a reward's score, or a tool's result."""
+    return _guarded(lambda: tool_result(value) if loaded.config.style == "tool" else _check(value))
+
+
 def _messages(text: str) -> Any:
     return json.loads(text) if text else None
 
 
 def _sample_call(loaded: Loaded, batch: SampleBatch, i: int, state: Optional[TrainerState]):
+    if loaded.config.style == "tool":  # its arguments, as the model wrote them (TRL calls fn(**arguments))
+        return loaded.fn(**json.loads(batch.columns_json[i]))
     accepted = loaded.info.accepted_keywords
     kw = {}
     if "trainer_state" in accepted:
@@ -325,14 +373,15 @@ def _batch_outcomes(result: Any, n: int) -> list:
     return [_guarded(functools.partial(_check, v)) for v in values]
 
 
-def _timed(call: Callable[[], Any], timeout_s: Optional[float]) -> tuple:
+def _timed(call: Callable[[], Any], timeout_s: Optional[float], tool: bool = False) -> tuple:
     """(what ``call`` returned, None), or (None, the Outcome of its timeout or exception). ``timeout_s`` None: no
-    timer, the caller ends the call at its deadline (a forked sample's slot process: :mod:`.forked`)."""
+    timer, the caller ends the call at its deadline (a forked sample's slot process: :mod:`.forked`). ``tool``: a
+    tool's call (its exception's text: :func:`_error`)."""
     if timeout_s is None:
         try:
             return call(), None
         except BaseException as e:  # noqa: BLE001 - user code may raise anything, SystemExit included
-            return None, _error(e)
+            return None, _error(e, tool)
     try:
         if _getsignal(signal.SIGALRM) is not _on_alarm:  # the user's code may have installed its own
             _signal_handler(signal.SIGALRM, _on_alarm)
@@ -345,20 +394,18 @@ def _timed(call: Callable[[], Any], timeout_s: Optional[float]) -> tuple:
     except _SampleTimeout:
         return None, _timeout(timeout_s)
     except BaseException as e:  # noqa: BLE001 - user code may raise anything, SystemExit included
-        return None, _error(e)
+        return None, _error(e, tool)
 
 
 def _run_sync(loaded: Loaded, batch: SampleBatch, timeout_s: Optional[float], state: Optional[TrainerState]) -> list:
-    def timed(call: Callable[[], Any]) -> tuple:
-        return _timed(call, timeout_s)
-
     if loaded.config.style == "batch":
-        value, failed = timed(lambda: loaded.fn(**_batch_kwargs(loaded, batch, state)))
+        value, failed = _timed(lambda: loaded.fn(**_batch_kwargs(loaded, batch, state)), timeout_s)
         return [failed] * len(batch) if failed else _guarded_batch(value, len(batch))
+    tool = loaded.config.style == "tool"
     outcomes = []
     for i in range(len(batch)):
-        value, failed = timed(lambda: _sample_call(loaded, batch, i, state))
-        outcomes.append(failed or _guarded(lambda: _check(value)))
+        value, failed = _timed(lambda: _sample_call(loaded, batch, i, state), timeout_s, tool)
+        outcomes.append(failed or _outcome(loaded, value))
     return outcomes
 
 
@@ -369,7 +416,7 @@ def _guarded_batch(value: Any, n: int) -> list:
         return [_error(e)] * n
 
 
-async def _await_bounded(coro, timeout_s: Optional[float]) -> tuple:
+async def _await_bounded(coro, timeout_s: Optional[float], tool: bool = False) -> tuple:
     import asyncio
     task = asyncio.ensure_future(coro)
     done, _ = await asyncio.wait({task}, timeout=timeout_s)
@@ -380,7 +427,7 @@ async def _await_bounded(coro, timeout_s: Optional[float]) -> tuple:
     try:
         return task.result(), None
     except BaseException as e:  # noqa: BLE001
-        return None, _error(e)
+        return None, _error(e, tool)
 
 
 async def _run_async(loaded: Loaded, batch: SampleBatch, timeout_s: Optional[float],
@@ -394,15 +441,16 @@ async def _run_async(loaded: Loaded, batch: SampleBatch, timeout_s: Optional[flo
         value, failed = await _await_bounded(coro, timeout_s)
         return [failed] * len(batch) if failed else _guarded_batch(value, len(batch))
     gate = asyncio.Semaphore(loaded.config.concurrency)
+    tool = loaded.config.style == "tool"
 
     async def one(i: int) -> Outcome:
         async with gate:
             try:
                 coro = _sample_call(loaded, batch, i, state)
             except BaseException as e:  # noqa: BLE001
-                return _error(e)
-            value, failed = await _await_bounded(coro, timeout_s)
-            return failed or _guarded(lambda: _check(value))
+                return _error(e, tool)
+            value, failed = await _await_bounded(coro, timeout_s, tool)
+            return failed or _outcome(loaded, value)
 
     return list(await asyncio.gather(*(one(i) for i in range(len(batch)))))
 
@@ -444,8 +492,9 @@ def score_sample(loaded: Loaded, batch: SampleBatch, i: int, timeout_s: Optional
     sink = _BoundedWriter(loaded.config.max_log_bytes)
     token = _SINK.set(sink)
     try:
-        value, failed = _timed(lambda: _sample_call(loaded, batch, i, state), timeout_s)
-        outcome = failed or _guarded(lambda: _check(value))
+        value, failed = _timed(lambda: _sample_call(loaded, batch, i, state), timeout_s,
+                               loaded.config.style == "tool")
+        outcome = failed or _outcome(loaded, value)
     finally:
         _SINK.reset(token)
     return outcome, sink.text(), sink.dropped

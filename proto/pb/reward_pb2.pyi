@@ -12,6 +12,7 @@ class Style(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STYLE_UNSPECIFIED: _ClassVar[Style]
     STYLE_SAMPLE: _ClassVar[Style]
     STYLE_BATCH: _ClassVar[Style]
+    STYLE_TOOL: _ClassVar[Style]
 
 class Isolation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -32,6 +33,7 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 STYLE_UNSPECIFIED: Style
 STYLE_SAMPLE: Style
 STYLE_BATCH: Style
+STYLE_TOOL: Style
 ISOLATION_UNSPECIFIED: Isolation
 ISOLATION_SAMPLE: Isolation
 ISOLATION_WORKER: Isolation
@@ -179,20 +181,22 @@ class ScoreRequest(_message.Message):
     def __init__(self, function: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., trainer_state: _Optional[_Union[TrainerState, _Mapping]] = ..., has_trainer_state: _Optional[bool] = ..., timeout_s: _Optional[float] = ..., sample_details: _Optional[bool] = ...) -> None: ...
 
 class Score(_message.Message):
-    __slots__ = ("value", "status", "error", "deferred", "logs", "seconds")
+    __slots__ = ("value", "status", "error", "deferred", "logs", "seconds", "result_json")
     VALUE_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DEFERRED_FIELD_NUMBER: _ClassVar[int]
     LOGS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_JSON_FIELD_NUMBER: _ClassVar[int]
     value: float
     status: Status
     error: str
     deferred: bool
     logs: str
     seconds: float
-    def __init__(self, value: _Optional[float] = ..., status: _Optional[_Union[Status, str]] = ..., error: _Optional[str] = ..., deferred: _Optional[bool] = ..., logs: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+    result_json: str
+    def __init__(self, value: _Optional[float] = ..., status: _Optional[_Union[Status, str]] = ..., error: _Optional[str] = ..., deferred: _Optional[bool] = ..., logs: _Optional[str] = ..., seconds: _Optional[float] = ..., result_json: _Optional[str] = ...) -> None: ...
 
 class Metrics(_message.Message):
     __slots__ = ("elapsed_ms", "workers_replaced", "isolated_reruns")

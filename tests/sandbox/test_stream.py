@@ -143,7 +143,7 @@ def test_a_batch_style_unit_reads_all_its_samples_once_each_however_it_arrives(m
     answer = codec.encode_result(outcomes, "some logs", 0, MAX_LOG)
     scans = []
     real = codec.sample_error_length
-    monkeypatch.setattr(codec, "sample_error_length", lambda head: scans.append(1) or real(head))
+    monkeypatch.setattr(codec, "sample_error_length", lambda head, samples: scans.append(1) or real(head, samples))
     for forked, data in ((True, F + answer + C), (False, answer)):
         for piece in (len(data), 22):
             scans.clear()
@@ -187,3 +187,58 @@ def test_markers_are_one_byte_each_and_distinct_on_their_channel():
     # An answer starts with the magic bytes, which no marker of the stream may be mistaken for.
     assert codec.MAGIC[:1] not in {bytes(m) for m in stream.Marker}
     assert S == b"S"
+
+
+# -- a tool's result (has value 2: codec) ---------------------------------------------------------------------------
+
+def result(text: str) -> bytes:
+    return codec.encode_result([Outcome(text, Status.OK)], "", 0, MAX_LOG, 0.001)
+
+
+def test_a_tools_result_is_read_as_text_in_a_one_sample_answer_and_streamed():
+    text = "j" + '{"a": "é"}' * 10_000  # past an error text's bound, within a result's
+    data = result(text)
+    decoded = codec.decode_result(data, 1, MAX_LOG, forked=True)
+    assert (decoded.values, decoded.statuses, decoded.errors) == ([text], [Status.OK], [""])
+    reader = stream.StreamReader(1, 1, MAX_LOG, forked=True)
+    reader.feed(F + data + C)
+    answered = reader.next()
+    assert isinstance(answered, stream.Answered) and answered.results[0].values == [text]
+
+
+@pytest.mark.parametrize("name,data,samples,message", [
+    # a one-sample answer's bound is what lets a result be longer than an error text: a many-sample one has none
+    ("a result in an answer for two samples", raw(count=2, has_value=2, value=0.0, error_length=1) + b"j"
+     + SAMPLE.pack(Status.OK.wire, 0, 0.0, 0, 0.0), 2, "a tool's result in an answer for 2 samples"),
+    ("a result past its bound", raw(has_value=2, value=0.0, error_length=codec.MAX_RESULT_BYTES + 1), 1,
+     "invalid field"),
+    ("a result with a failure's status", raw(status=Status.ERROR.wire, has_value=2, value=0.0, error_length=1)
+     + b"j", 1, "with status"),
+    ("a has value past 2", raw(has_value=3, value=0.0), 1, "invalid field"),
+])
+def test_forged_tool_results_are_malformed(name, data, samples, message):
+    with pytest.raises(codec.MalformedResult, match=message):
+        codec.decode_result(data, samples, MAX_LOG, forked=True)
+
+
+def test_a_result_past_its_bound_is_refused_before_it_arrives():
+    reader = stream.StreamReader(1, 1, MAX_LOG, forked=True)
+    reader.feed(F + raw(has_value=2, value=0.0, error_length=codec.MAX_RESULT_BYTES + 1))
+    with pytest.raises(codec.MalformedResult, match="result text declares"):
+        reader.next()
+
+
+def test_the_server_takes_a_result_only_from_a_tool_and_a_score_only_from_a_reward():
+    from rewardbox.sandbox.records import ChunkResult
+    from rewardbox.sandbox.server import _results
+
+    answers = ChunkResult(["jtext", 1.0, None, None], [Status.OK, Status.OK, Status.OK, Status.ERROR],
+                          ["", "", "", "boom"])
+    _results(answers, tool=False)
+    assert answers.statuses == [Status.INVALID, Status.OK, Status.OK, Status.ERROR]
+    assert answers.errors[0] == "the worker answered a tool's result for a reward" and answers.values[0] is None
+    answers = ChunkResult(["jtext", 1.0, None, None], [Status.OK, Status.OK, Status.OK, Status.ERROR],
+                          ["", "", "", "boom"])
+    _results(answers, tool=True)
+    assert answers.statuses == [Status.OK, Status.INVALID, Status.INVALID, Status.ERROR]
+    assert answers.values == ["jtext", None, None, None]

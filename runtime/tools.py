@@ -1,0 +1,173 @@
+"""``rewardbox.sandboxed_tools``: a TRL script's tools, each call run in a sandbox, in one line.
+
+    with rewardbox.sandboxed_tools([run_python, search], packages=["numpy"], timeout_s=10) as tools:
+        GRPOTrainer(..., tools=tools).train()
+
+TRL calls a tool in the trainer's own process with the arguments the model wrote. Here each tool is shipped by value
+into a sandbox (as :func:`rewardbox.sandboxed` ships rewards), and each call runs there as one sample of a
+``tool``-style function: under the default ``isolation: sample`` in a process forked for that call alone, so nothing
+one call does (files, processes, module state) reaches another, with the reward settings' limits, timeout and
+retries of transient sandbox failures.
+
+What TRL sees is what it would see in-process:
+
+- each callable has the original's ``__name__``, docstring, signature and type hints
+  (``transformers.utils.get_json_schema`` gives the same schema, so the model is shown the same tools);
+- it is async (TRL gathers one rollout's calls) and returns what the tool returned: the value itself where JSON
+  carries it exactly (str, int, float, bool, None, and lists and str-keyed dicts of them), else its ``str()`` (the
+  text TRL puts in the conversation in-process is ``str(result)``: the same);
+- a tool's own exception is raised as :class:`ToolError` whose ``str()`` is the original's (TRL shows the model
+  ``{"error": str(e)}``); a call the sandbox ended (``timeout_s``, a crash, the memory limit) raises
+  :class:`ToolError` naming the tool and what ended it. Both are ``Exception``s, which TRL counts as failed calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import json
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+from .client import RewardClient
+from .dropin import SETTINGS, _check_settings, _installs, _merge, _spec_name, _validate
+from .errors import ConfigError
+from .session import RewardSandboxes
+from .shipping import Shipper, where
+from .spec import Where, parse_config
+from .wire import Status
+from .wire.pb import reward_pb2 as pb
+
+log = logging.getLogger("rewardbox")
+
+# Reward settings that mean nothing for a tool: it has no score to fall back to or weigh, and its style is fixed.
+NOT_FOR_TOOLS = ("style", "default_score", "weight")
+TOOL_SETTINGS = tuple(s for s in SETTINGS if s not in NOT_FOR_TOOLS)
+
+
+class ToolError(Exception):
+    """A sandboxed tool call that did not return: ``str(e)`` is the tool's own exception's text (``status`` error),
+    or says what ended the call (``timeout``, ``crash``, ``invalid``, ``unavailable``) and names the tool."""
+
+    def __init__(self, message: str, tool: str, status: Status):
+        super().__init__(message)
+        self.tool = tool
+        self.status = status
+
+
+class SandboxedTools(list):
+    """The callables :func:`sandboxed_tools` yields, in order (a plain list for TRL), with the running sandboxes as
+    ``.sandboxes``."""
+
+    sandboxes: RewardSandboxes
+
+
+def result_of(text: str) -> Any:
+    """A tool's result as the sandbox carries it (``Score.result_json``): ``"j"`` and JSON (the value), or ``"s"``
+    and the ``str()`` of a value JSON does not carry exactly (that text)."""
+    return json.loads(text[1:]) if text[:1] == "j" else text[1:]
+
+
+def _failure(name: str, status: Status, error: str) -> ToolError:
+    if status is Status.ERROR:  # the tool raised: its own text, as TRL would show it in-process
+        return ToolError(error, name, status)
+    what = {Status.TIMEOUT: "timed out", Status.CRASH: "crashed", Status.INVALID: "returned what a sandbox cannot "
+            "send back", Status.UNAVAILABLE: "could not reach its sandbox"}.get(status, str(status))
+    return ToolError(f"rewardbox: tool {name!r} {what}: {error}", name, status)
+
+
+def _arguments(fn: Callable, name: str, args: tuple, kwargs: dict) -> str:
+    """The call's arguments as the JSON object the sandbox calls the tool with (TRL passes keywords only; positional
+    ones are named by the original's signature)."""
+    if args:
+        try:
+            kwargs = dict(inspect.signature(fn).bind_partial(*args, **kwargs).arguments)
+        except TypeError as e:
+            raise TypeError(f"{name}(): {e}") from None
+    try:
+        return json.dumps(kwargs, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name}(): a sandboxed tool takes JSON values as arguments (what a model writes): {e}") \
+            from None
+
+
+def _proxy(fn: Callable, name: str, client: RewardClient) -> Callable:
+    """An async function with ``fn``'s name, docstring, signature and type hints (``functools.wraps`` sets
+    ``__wrapped__``, which ``inspect.signature`` and ``typing.get_type_hints`` follow) that runs ``fn`` in the
+    sandbox ``client`` reaches."""
+    shown = getattr(fn, "__name__", name)
+
+    @functools.wraps(fn)
+    async def call(*args: Any, **kwargs: Any) -> Any:
+        sample = pb.Sample(columns_json=_arguments(fn, shown, args, kwargs))
+        report = await client.score([sample])
+        status, value, error = report.statuses[0], report.values[0], report.errors[0] or ""
+        if status is Status.OK:
+            return result_of(value)
+        raise _failure(shown, status, error)
+
+    return call
+
+
+def _check_tool(fn: Any, i: int) -> str:
+    """The tool's name, or a ConfigError naming what is wrong with it (TRL takes functions and bound methods)."""
+    if not (inspect.isfunction(fn) or inspect.ismethod(fn)):
+        raise ConfigError(f"rewardbox.sandboxed_tools: tools[{i}] is a {type(fn).__name__}, not a function: TRL "
+                          "builds a tool's schema from a function's name, signature and docstring (a def, or a "
+                          "bound method)")
+    return fn.__name__
+
+
+@contextlib.contextmanager
+def sandboxed_tools(tools: Sequence[Callable], *, sandbox: Optional[dict] = None, backend=None,
+                    **settings: Any) -> Iterator[SandboxedTools]:
+    """Runs each call of each of ``tools`` (what a script passes as ``GRPOTrainer(tools=...)``) in a sandbox, and
+    yields async tool callables in the same order with the same names, docstrings, signatures and type hints.
+
+    Args:
+        tools: functions (sync or async) or bound methods.
+        sandbox: the config's ``sandbox:`` section (backend, docker settings...); by default the docker backend.
+        backend: a backend object to start the sandboxes on instead (it stays the caller's).
+        settings: sandbox settings for every tool, the reward settings but ``style``, ``default_score`` and
+            ``weight``: ``packages``, ``system_packages``, ``timeout_s`` (per call), ``retries`` (of transient
+            sandbox failures), ``isolation``, ``memory``, ``network``, ``secrets``, ``env``...
+
+    Raises:
+        ConfigError: a setting is unknown or invalid, or a tool is not a function or cannot be shipped (naming it
+        and why); plus what :meth:`RewardSandboxes.start` raises. Nothing is left running then.
+    """
+    unknown = sorted(set(settings) & set(NOT_FOR_TOOLS))
+    if unknown:
+        raise ConfigError(f"rewardbox.sandboxed_tools: {', '.join(map(repr, unknown))} mean nothing for a tool (it "
+                          f"returns what it returns, and raises what it raises); its settings are "
+                          f"{', '.join(TOOL_SETTINGS)}")
+    _check_settings(settings, "sandboxed_tools(...)")
+    shipper = Shipper("sandboxed_tools")
+    entries: list[dict] = []
+    names: set[str] = set()
+    with tempfile.TemporaryDirectory(prefix="rewardbox-tools-") as folder:
+        for i, fn in enumerate(tools):
+            title = _check_tool(fn, i)
+            label = f"tools[{i}] {title} ({where(fn)})"
+            merged = {**_merge(settings, {}), "style": "tool"}
+            name = _spec_name(title, names)
+            shipment = shipper.ship(fn, "tool", label, list(merged.get("packages", [])))
+            for requirement, what in shipment.inferred.items():
+                log.info("rewardbox.sandboxed_tools: %s refers to %s: its sandbox gets %s (the host's version)",
+                         label, what, requirement)
+            source = Path(folder) / f"{name}.py"
+            source.write_text(shipment.source)
+            _validate({**merged, "name": name, "source": str(source)}, label)
+            entries.append({**merged, "name": name, "source": str(source), "function": "tool",
+                            "packages": shipment.packages if _installs(sandbox, backend)
+                            else merged.get("packages", [])})
+        config = parse_config({"sandbox": sandbox or {}, "rewards": entries}, Path.cwd(),
+                              Where(file="rewardbox.sandboxed_tools(...)"))
+        with RewardSandboxes(config, backend=backend) as sandboxes:
+            out = SandboxedTools(_proxy(fn, entry["name"], sandboxes[entry["name"]].client)
+                                 for fn, entry in zip(tools, entries))
+            out.sandboxes = sandboxes
+            yield out
