@@ -36,7 +36,8 @@ score = 0.0
 # The fast tier (`pytest -m fast`, docs/how-to/run-the-tests.md): every test that needs none of the Docker engine,
 # Ray, a browser, verl's environment or a GRPOTrainer run. Decided from what a test uses (its fixtures, transitively),
 # so a new test lands in the right tier without a marker of its own.
-HEAVY_FIXTURES = {"docker_client": "docker", "ray_cluster": "ray", "browser": "browser", "tiny_model": "train"}
+HEAVY_FIXTURES = {"docker_client": "docker", "ray_cluster": "ray", "browser": "browser", "tiny_model": "train",
+                  "tiny_tool_model": "train"}
 HEAVY_FOLDERS = {"verl": "verl", "trainer": "train", "ray": "ray"}
 # Real parts that start without those fixtures: a wheel build, a local Ray instance (the backends' conformance
 # suite run on Ray), and the shared service under load (minutes of hostile peers).
@@ -106,6 +107,14 @@ def tiny_model(tmp_path_factory):
     from rewardbox.trainer.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), warm_up=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_tool_model(tmp_path_factory):
+    """A tiny local model that calls tools (TRL's Qwen3 chat template, trained briefly to call ``add``)."""
+    from rewardbox.trainer.tiny import build_tiny_tool_model
+
+    return build_tiny_tool_model(tmp_path_factory.mktemp("tiny-tool-model"))
 
 
 @pytest.fixture

@@ -120,3 +120,86 @@ def _warm_up(model, tokenizer, seed: int, steps: int = 200, batch_size: int = 16
         optimizer.step()
         optimizer.zero_grad()
     model.eval()
+
+
+# -- a tiny model that calls tools --------------------------------------------------------------------------------
+
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+TOOL_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOOL_VERSION = 1  # bump when the tool model or its tokenizer changes
+
+
+def add(a: int, b: int) -> int:
+    """Adds two numbers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a + b
+
+
+def tool_chats(n: int, seed: int = 0) -> list[list[dict]]:
+    """Chats in which the assistant calls ``add`` on the question's numbers, reads the result and answers."""
+    import random
+
+    rng = random.Random(seed)
+    chats = []
+    for _ in range(n):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        call = {"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
+        chats.append([{"role": "user", "content": f"What is {a} + {b}?"},
+                      {"role": "assistant", "content": "", "tool_calls": [call]},
+                      {"role": "tool", "name": "add", "content": str(a + b)},
+                      {"role": "assistant", "content": f"The answer is {a + b}."}])
+    return chats
+
+
+def build_tiny_tool_model(path: str | Path, seed: int = 0, steps: int = 100) -> Path:
+    """Writes a tiny model that calls tools, and its tokenizer, to ``path`` (idempotent) and returns the path.
+
+    The tokenizer carries TRL's Qwen3 chat template (which TRL parses tool calls with) and its tokens; the model is
+    trained briefly (about 15 s on two cores) on :func:`tool_chats`, so that it answers "What is a + b?" with a
+    ``<tool_call>`` to ``add`` (its own numbers, not always the question's) that TRL executes.
+    """
+    path = Path(path)
+    if (path / "config.json").exists() and (path / "tokenizer.json").exists():
+        return path
+    import torch
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from trl.chat_template_utils import qwen3_chat_template
+
+    chats = tool_chats(50 + steps * 4, seed)
+    bpe = ByteLevelBPETokenizer()
+    bootstrap = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer)
+    bootstrap.chat_template = qwen3_chat_template
+    texts = [bootstrap.apply_chat_template(c, tools=[add], tokenize=False) for c in chats]
+    bpe.train_from_iterator(texts[:50], vocab_size=400, min_frequency=1, special_tokens=TOOL_SPECIAL,
+                            show_progress=False)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, pad_token="<|endoftext|>",
+                                        eos_token="<|im_end|>")
+    tokenizer.add_tokens(TOOL_TOKENS)
+    tokenizer.chat_template = qwen3_chat_template
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(seed)
+    model.train()
+    for _ in range(steps):
+        idx = torch.randint(len(texts), (16,), generator=generator).tolist()
+        batch = tokenizer([texts[i] for i in idx], return_tensors="pt", padding=True)
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        model(**batch, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
