@@ -17,7 +17,9 @@
 (h) ``isolation: sample`` at real batch sizes (1,024 and 4,096 completions): see :mod:`.bench_isolation`;
 (r) the run record's cost and size, and the report's views on 100,000 completions: see :mod:`.bench_report`;
 (y) the trivial reward of (a) (``isolation: worker``) through the ray backend on a Ray cluster of this machine
-    beside the local path of (a): see :mod:`.bench_ray`.
+    beside the local path of (a): see :mod:`.bench_ray`;
+(t) a TRL tool's call through ``rewardbox.sandboxed_tools`` beside the same call in-process: see
+    :mod:`.bench_tools`.
 Targets are printed beside the figures, never asserted.
 """
 
@@ -105,7 +107,7 @@ def _batch_times(reward, samples: list, iterations: int, pace_s: float) -> list[
     return asyncio.run(batches())
 
 
-PARTS = "abcdefghry"
+PARTS = "abcdefghryt"
 WORKER = "isolation: worker"
 
 
@@ -186,6 +188,10 @@ def run_bench(base_image: str, iterations: int = 200, progress: Callable[[str], 
 
             figures.extend(ray_figures(directory, base_image, samples, iterations, base, sandboxed[WORKER],
                                        _batch_times, progress, Figure))
+        if "t" in parts:
+            from .bench_tools import tool_figures
+
+            figures.extend(tool_figures(base_image, iterations, progress, Figure))
         if "r" in parts:
             from .bench_report import report_figures
 
