@@ -23,12 +23,14 @@ What TRL sees is what it would see in-process:
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import inspect
 import json
 import logging
 import tempfile
+import typing
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -171,3 +173,103 @@ def sandboxed_tools(tools: Sequence[Callable], *, sandbox: Optional[dict] = None
                                  for fn, entry in zip(tools, entries))
             out.sandboxes = sandboxes
             yield out
+
+
+# -- tools named in a config (`tools:` of `rewardbox train`) -------------------------------------------------------
+
+# What a tool's type hints in a config may name: the host reads them from the file's text (it never imports the
+# file, whose packages are the sandbox's), so only built-in types and typing's forms, which need nothing imported.
+_HINT_NAMES: dict[str, Any] = {
+    "int": int, "float": float, "str": str, "bool": bool, "bytes": bytes, "list": list, "dict": dict,
+    "tuple": tuple, "set": set, "None": None, "object": object,
+    **{name: getattr(typing, name) for name in ("Any", "Optional", "Union", "Literal", "List", "Dict", "Tuple",
+                                                 "Set", "Sequence", "Mapping")},
+}
+
+
+def _hint(node: ast.expr, where: str) -> Any:
+    """A type hint from its syntax, built from :data:`_HINT_NAMES` and constants (for ``Literal``) only."""
+    if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (str, int, float, bool))):
+        return node.value
+    if isinstance(node, ast.Name) and node.id in _HINT_NAMES:
+        return _HINT_NAMES[node.id]
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ("typing", "t") \
+            and node.attr in _HINT_NAMES:
+        return _HINT_NAMES[node.attr]
+    if isinstance(node, ast.Subscript):
+        base = _hint(node.value, where)
+        items = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        args = tuple(_hint(item, where) for item in items)
+        return base[args if len(args) > 1 else args[0]]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        return typing.Union[_hint(node.left, where), _hint(node.right, where)]
+    raise ConfigError(f"{where}: the type hint {ast.unparse(node)!r} names something other than built-in types and "
+                      f"typing's forms ({', '.join(sorted(_HINT_NAMES))}): a tool named in a config is read from "
+                      "its file's text, never imported on the host (its packages are the sandbox's); describe its "
+                      "arguments with those")
+
+
+def stub_from_source(path: Path, function: str) -> Callable:
+    """A function with the name, docstring, signature and type hints of the ``def function`` in ``path``, read
+    from the file's syntax (nothing of it runs on the host), for :func:`transformers.utils.get_json_schema`.
+
+    Raises:
+        ConfigError: no such ``def`` at the top of the file, or a hint or default that cannot be read without
+        running the file's code (naming file and line).
+    """
+    tree = ast.parse(path.read_text(), filename=str(path))
+    node = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and n.name == function), None)
+    if node is None:
+        raise ConfigError(f"{path}: no top-level `def {function}(...)`: a tool named in a config must be defined "
+                          "with def at the top of its file (the host reads its signature and docstring from there)")
+    where = f"{path}:{node.lineno}"
+    arguments = node.args
+    if arguments.vararg or arguments.kwarg or arguments.posonlyargs:
+        raise ConfigError(f"{where}: {function}() takes *args, **kwargs or positional-only parameters: a tool is "
+                          "called with its arguments by name (TRL passes the JSON object the model wrote)")
+    defaults: list = [inspect.Parameter.empty] * (len(arguments.args) - len(arguments.defaults)) + [
+        *arguments.defaults]
+    parameters, hints = [], {}
+    for arg, default, kind in [*((a, d, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                                 for a, d in zip(arguments.args, defaults)),
+                               *((a, d if d is not None else inspect.Parameter.empty, inspect.Parameter.KEYWORD_ONLY)
+                                 for a, d in zip(arguments.kwonlyargs, arguments.kw_defaults))]:
+        if default is not inspect.Parameter.empty:
+            try:
+                default = ast.literal_eval(default)
+            except ValueError:
+                raise ConfigError(f"{where}: the default of {arg.arg!r} is not a literal the host can read without "
+                                  "running the file") from None
+        annotation = inspect.Parameter.empty
+        if arg.annotation is not None:
+            annotation = hints[arg.arg] = _hint(arg.annotation, where)
+        parameters.append(inspect.Parameter(arg.arg, kind, default=default, annotation=annotation))
+    returns = inspect.Signature.empty
+    if node.returns is not None:
+        returns = hints["return"] = _hint(node.returns, where)
+
+    def stub(**kwargs: Any) -> Any:
+        raise RuntimeError("a signature stand-in: the tool runs in its sandbox")
+
+    stub.__name__ = stub.__qualname__ = function
+    stub.__doc__ = ast.get_docstring(node)
+    stub.__annotations__ = hints
+    setattr(stub, "__signature__", inspect.Signature(parameters, return_annotation=returns))  # inspect reads it
+    return stub
+
+
+def tools_from_config(config, specs: Sequence, backend=None) -> tuple[RewardSandboxes, SandboxedTools]:
+    """Starts sandboxes for the tools a training config names (``tools:``, each a reward entry of style ``tool``)
+    and returns them with their callables, in order; the caller stops the sandboxes.
+
+    Raises:
+        ConfigError: a tool's signature cannot be read from its file; plus what :meth:`RewardSandboxes.start` raises.
+    """
+    stubs = [stub_from_source(config.source_path(spec), spec.function_name) for spec in specs]
+    tools_config = config.model_copy(update={"rewards": list(specs)})
+    sandboxes = RewardSandboxes(tools_config, backend=backend)
+    sandboxes.start()
+    out = SandboxedTools(_proxy(stub, spec.name, sandboxes[spec.name].client) for stub, spec in zip(stubs, specs))
+    out.sandboxes = sandboxes
+    return sandboxes, out

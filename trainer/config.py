@@ -12,9 +12,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import ConfigError
-from ..spec import RewardboxConfig, Where, parse_config, read_yaml_file, yaml_load
+from ..spec import RewardboxConfig, RewardSpec, Where, parse_config, read_yaml_file, yaml_load
 
 BUILTIN_TINY = "builtin:tiny"
+BUILTIN_TINY_TOOLS = "builtin:tiny-tools"  # a tiny model that calls an `add` tool (trainer.tiny)
 
 
 class _Strict(BaseModel):
@@ -22,7 +23,7 @@ class _Strict(BaseModel):
 
 
 class ModelSection(_Strict):
-    name_or_path: str = Field(default=BUILTIN_TINY, description="hub id, local path, or builtin:tiny (offline)")
+    name_or_path: str = Field(default=BUILTIN_TINY, description="hub id, local path, or builtin:tiny / builtin:tiny-tools (offline)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     trust_remote_code: bool = False
     revision: Optional[str] = None
@@ -50,6 +51,9 @@ class TrainConfig(RewardboxConfig):
     lora: Optional[dict[str, Any]] = Field(default=None, description="peft.LoraConfig fields; none: full fine-tuning")
     output_dir: Path = Path("outputs/rewardbox-grpo")
     save_merged: bool = Field(default=False, description="also save the LoRA-merged model")
+    tools: list[RewardSpec] = Field(default_factory=list, description="TRL tools (GRPOTrainer(tools=...)), each "
+                                    "call run in a sandbox: name, source, function and the reward settings but "
+                                    "style, default_score and weight")
 
 
 def _parse_value(text: str) -> Any:
@@ -111,6 +115,7 @@ def parse_train_config(data: Any, base_dir: Path, where: Where = Where()) -> Tra
         data = {**data, **{k: {} for k in ("model", "grpo") if k in data and data[k] is None}}
     cfg = parse_config(data, base_dir, where, config_type=TrainConfig)
     assert isinstance(cfg, TrainConfig)  # validated as config_type
+    _check_tools(cfg, where)
     from trl import GRPOConfig
 
     _check_fields("grpo", cfg.grpo, GRPOConfig, where, reserved={"reward_weights": "from each reward's weight",
@@ -120,6 +125,29 @@ def parse_train_config(data: Any, base_dir: Path, where: Where = Where()) -> Tra
 
         _check_fields("lora", cfg.lora, LoraConfig, where)
     return cfg
+
+
+def _check_tools(cfg: TrainConfig, where: Where) -> None:
+    """Each ``tools:`` entry: a tool (style ``tool``), its source a .py file whose ``def`` the host can read its
+    schema from, its name unique among the tools."""
+    from ..tools import NOT_FOR_TOOLS, stub_from_source
+
+    names: set[str] = set()
+    for i, tool in enumerate(cfg.tools):
+        meaningless = sorted(set(NOT_FOR_TOOLS) & tool.model_fields_set)
+        if meaningless:
+            raise ConfigError(f"{where.at('tools', i, meaningless[0])}: tool {tool.name!r}: "
+                              f"{', '.join(meaningless)} mean nothing for a tool (it returns what it returns); "
+                              "remove it")
+        path = cfg.source_path(tool)
+        if not path.is_file() or path.suffix != ".py":
+            raise ConfigError(f"{where.at('tools', i, 'source')}: tool {tool.name!r}: source {path} is not a .py "
+                              f"file (tools[].source is relative to the config file's directory {cfg.base_dir})")
+        stub_from_source(path, tool.function_name)  # its schema can be read (the same check as at start)
+        if tool.name in names:
+            raise ConfigError(f"{where.at('tools', i, 'name')}: tool name {tool.name!r} is used twice")
+        names.add(tool.name)
+    cfg.tools = [tool.model_copy(update={"style": "tool"}) for tool in cfg.tools]
 
 
 def load_train_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:

@@ -18,7 +18,7 @@ from ..session import RewardSandboxes
 from ..spec import Where
 
 from .callbacks import RewardLog, RewardPlotCallback, RewardReloadCallback, RunRecordCallback
-from .config import BUILTIN_TINY, DatasetSection, ModelSection, TrainConfig, load_train_config
+from .config import BUILTIN_TINY, BUILTIN_TINY_TOOLS, DatasetSection, ModelSection, TrainConfig, load_train_config
 
 log = logging.getLogger("rewardbox")
 
@@ -94,6 +94,10 @@ def load_model(section: ModelSection):
         from .tiny import VERSION, build_tiny_model
 
         path = str(build_tiny_model(default_cache_dir() / f"builtin-tiny-v{VERSION}"))
+    elif path == BUILTIN_TINY_TOOLS:
+        from .tiny import TOOL_VERSION, build_tiny_tool_model
+
+        path = str(build_tiny_tool_model(default_cache_dir() / f"builtin-tiny-tools-v{TOOL_VERSION}"))
     dtype = "auto" if section.dtype == "auto" else getattr(torch, section.dtype)
     kwargs = {"trust_remote_code": section.trust_remote_code, "revision": section.revision}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
@@ -155,6 +159,7 @@ def train(
         return _train_in_process(cfg, args, train_ds, eval_ds, state, callbacks)
     sandboxes = RewardSandboxes(cfg, backend=backend)
     record = RunRecordCallback(sandboxes)
+    tool_sandboxes: Optional[RewardSandboxes] = None
     try:
         # On each node the local rank 0 builds the images first; that node's other ranks then find them cached.
         # (Images live in each node's engine, so every node builds its own, once.) Ranks do not share containers.
@@ -172,12 +177,18 @@ def train(
         for reward in sandboxes.rewards:
             reward.listeners.append(reward_log.listener)
 
+        tools: Optional[list] = None
+        if cfg.tools:
+            from ..tools import tools_from_config
+
+            with state.local_main_process_first():
+                tool_sandboxes, tools = tools_from_config(cfg, cfg.tools, backend=backend)
         model, tokenizer = load_model(cfg.model)
         peft_config = LoraConfig(**{"task_type": "CAUSAL_LM", **cfg.lora}) if cfg.lora is not None else None
         names = [r.name for r in sandboxes.rewards]
         trainer = GRPOTrainer(
             model=model, processing_class=tokenizer, reward_funcs=sandboxes.rewards, args=args,
-            train_dataset=train_ds, eval_dataset=eval_ds, peft_config=peft_config,
+            train_dataset=train_ds, eval_dataset=eval_ds, peft_config=peft_config, tools=tools,
             callbacks=[record, RewardReloadCallback(sandboxes, reward_log, on_reload=record.new_version),
                        RewardPlotCallback(output_dir / "rewards.png", names), *callbacks],
         )
@@ -194,21 +205,24 @@ def train(
     finally:
         record.close()  # what was scored before an error stays in the record
         sandboxes.stop()
+        if tool_sandboxes is not None:
+            tool_sandboxes.stop()
 
 
 def _train_in_process(cfg: TrainConfig, args, train_ds, eval_ds, state, callbacks) -> TrainResult:
     from peft import LoraConfig
     from trl import GRPOTrainer
 
-    from ..in_process import in_process_rewards
+    from ..in_process import in_process_rewards, load_function
 
     log.warning("rewards run IN PROCESS: no sandbox, no isolation, no timeouts or fallbacks (--in-process)")
     reward_funcs = in_process_rewards(cfg)
+    tools = [load_function(tool, cfg.source_path(tool)) for tool in cfg.tools] or None
     model, tokenizer = load_model(cfg.model)
     peft_config = LoraConfig(**{"task_type": "CAUSAL_LM", **cfg.lora}) if cfg.lora is not None else None
     trainer = GRPOTrainer(
         model=model, processing_class=tokenizer, reward_funcs=reward_funcs, args=args, train_dataset=train_ds,
-        eval_dataset=eval_ds, peft_config=peft_config,
+        eval_dataset=eval_ds, peft_config=peft_config, tools=tools,
         callbacks=[RewardPlotCallback(cfg.output_dir / "rewards.png", [f.__name__ for f in reward_funcs]),
                    *callbacks],
     )

@@ -144,7 +144,7 @@ def tool_chats(n: int, seed: int = 0) -> list[list[dict]]:
     import random
 
     rng = random.Random(seed)
-    chats = []
+    chats: list[list[dict]] = []
     for _ in range(n):
         a, b = rng.randint(0, 9), rng.randint(0, 9)
         call = {"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}

@@ -157,3 +157,34 @@ def test_bad_tools_and_settings_are_refused_before_anything_starts():
     with sandboxed_tools([add], sandbox=LOCAL) as (tool,):
         with pytest.raises(TypeError, match=r"add\(\): a sandboxed tool takes JSON values as arguments"):
             run(tool(a=object()))
+
+
+def test_a_config_tools_schema_is_read_from_its_files_text_without_importing_it(tmp_path):
+    from rewardbox.tools import stub_from_source
+
+    source = '''
+import not_installed_here  # the sandbox's package: the host never imports this file
+from typing import Literal, Optional
+
+
+def run(code: str, lang: Literal["py", "sh"] = "py", limit: Optional[int] = None, *,
+        tags: list[str] | None = None) -> dict[str, int]:
+    """Runs code.
+
+    Args:
+        code: the program
+        lang: which language
+        limit: seconds
+        tags: labels
+    """
+'''
+    (tmp_path / "tools.py").write_text(source)
+    namespace: dict = {}
+    exec(source.replace("import not_installed_here", ""), namespace)
+    stub = stub_from_source(tmp_path / "tools.py", "run")
+    assert get_json_schema(stub) == get_json_schema(namespace["run"])
+    with pytest.raises(ConfigError, match=r"no top-level `def missing\(\.\.\.\)`"):
+        stub_from_source(tmp_path / "tools.py", "missing")
+    (tmp_path / "bad.py").write_text("def f(x: __import__('os').system('true')) -> int:\n    pass\n")
+    with pytest.raises(ConfigError, match=r"bad\.py:1: the type hint .* names something other"):
+        stub_from_source(tmp_path / "bad.py", "f")

@@ -1,0 +1,60 @@
+"""`rewardbox train` with a `tools:` section: the example's config (examples/tools), sandboxed tools and rewards,
+trains exactly as the same config run with everything in-process (`--in-process`), and a tool's settings are
+checked before anything starts."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rewardbox import ConfigError
+from rewardbox.trainer import load_train_config, train
+from tests.conftest import ROOT
+
+EXAMPLE = ROOT / "examples" / "tools"
+
+
+def _config(tmp_path: Path, base_image: str, model: Path, **changes) -> Path:
+    for name in ("tools.py", "rewards.py", "train.jsonl"):
+        shutil.copy(EXAMPLE / name, tmp_path / name)
+    config = yaml.safe_load((EXAMPLE / "config.yaml").read_text())
+    config["sandbox"]["docker"] = {"base_image": base_image}
+    config["model"]["name_or_path"] = str(model)
+    config["grpo"]["max_steps"] = 3
+    config["output_dir"] = str(tmp_path / "out")
+    for key, value in changes.items():
+        config[key] = value
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def _logged(result) -> list:
+    return [{k: v for k, v in entry.items() if k.startswith(("reward", "tools/"))}
+            for entry in result.log_history if "reward" in entry]
+
+
+def test_the_tools_example_trains_identically_sandboxed_and_in_process(tmp_path, tiny_tool_model, docker_client,
+                                                                       base_image):
+    path = _config(tmp_path, base_image, tiny_tool_model)
+    boxed = _logged(train(path))
+    plain = _logged(train(path, in_process=True))
+    assert boxed == plain
+    assert sum(step["tools/call_frequency"] for step in boxed) > 0  # not vacuous: the model called the tool
+
+
+def test_a_tools_settings_and_signature_are_checked_before_anything_starts(tmp_path, tiny_tool_model, base_image):
+    tool = {"name": "add", "source": "tools.py", "timeout_s": 2}
+    path = _config(tmp_path, base_image, tiny_tool_model, tools=[{**tool, "default_score": 0.0}])
+    with pytest.raises(ConfigError, match=r"config\.yaml:\d+: tool 'add': default_score mean nothing for a tool"):
+        load_train_config(path)
+    path = _config(tmp_path, base_image, tiny_tool_model, tools=[{**tool, "source": "missing.py"}])
+    with pytest.raises(ConfigError, match=r"tool 'add': source .*missing\.py is not a \.py file"):
+        load_train_config(path)
+    path = _config(tmp_path, base_image, tiny_tool_model, tools=[tool])
+    (tmp_path / "tools.py").write_text("import numpy\n\ndef add(a: numpy.ndarray) -> int:\n    return 0\n")
+    with pytest.raises(ConfigError, match=r"tools\.py:3: the type hint 'numpy\.ndarray' names something other"):
+        load_train_config(path)
