@@ -16,8 +16,9 @@ GRPC_OPTIONS = (
 # host's per-attempt deadline is built on it, so the server always answers before the client gives up.
 HARD_TIMEOUT_MARGIN_S = 2.0
 
-# The Style enum of reward.proto (STYLE_<NAME>) by number (a tool: a TRL tool's calls: rewardbox.sandboxed_tools).
-STYLE_NAMES = {1: "sample", 2: "batch", 3: "tool"}
+# The Style enum of reward.proto (STYLE_<NAME>) by number (tool, environment: rewardbox.sandboxed_tools and
+# rewardbox.sandboxed_environment).
+STYLE_NAMES = {1: "sample", 2: "batch", 3: "tool", 4: "environment"}
 
 # Per-reward defaults: the config's defaults, and what the server uses when a Load request leaves a field at 0.
 DEFAULT_WORKERS = 2

@@ -54,6 +54,7 @@ _EXPORTS = {
     "configure": ".dropin",
     "sandboxed_tools": ".tools",
     "ToolError": ".tools",
+    "sandboxed_environment": ".environments",
     "RewardSpec": ".spec",
     "RewardboxConfig": ".spec",
     "SandboxSettings": ".spec",
@@ -93,6 +94,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (re-exports, listed in __al
     from .samples import build_samples, samples_from_rows  # noqa: F401
     from .dropin import configure, sandboxed  # noqa: F401
     from .tools import ToolError, sandboxed_tools  # noqa: F401
+    from .environments import sandboxed_environment  # noqa: F401
     from .session import RewardSandboxes  # noqa: F401
     from .spec import RewardboxConfig, RewardSpec, SandboxSettings, load_config, parse_config  # noqa: F401
     from .trainer import TrainConfig, load_train_config, train  # noqa: F401

@@ -212,8 +212,11 @@ class RewardClient:
                     await self._attempt(first, share, trainer_state)
         except Exception as e:  # noqa: BLE001 - training must get a score for every sample, whatever happened
             share.last_error = f"sandbox unavailable after {share.attempts} attempt(s): {e}"
-            log.warning("reward %s: %d samples fall back to default_score=%r: %s", self.reward.name,
-                        len(share.indices) - len(share.outcomes), self.reward.default_score, share.last_error)
+            if self.reward.style in ("tool", "environment"):
+                log.warning("tool %s: a call could not reach its sandbox: %s", self.reward.name, share.last_error)
+            else:
+                log.warning("reward %s: %d samples fall back to default_score=%r: %s", self.reward.name,
+                            len(share.indices) - len(share.outcomes), self.reward.default_score, share.last_error)
 
     async def _attempt(self, first: int, share: _Share, trainer_state: Optional[pb.TrainerState]) -> None:
         """One attempt at the share's unscored samples. Each retry of a sample-style share sends them in SPLIT times
@@ -381,7 +384,7 @@ class RewardClient:
         if len(reply.scores) != len(todo):
             raise BackendError(f"sandbox {replica.name} returned {len(reply.scores)} scores for {len(todo)} samples")
         outcomes, isfinite, shared = share.outcomes, math.isfinite, replica.shared
-        tool = self.reward.style == "tool"
+        tool = self.reward.style in ("tool", "environment")
         deferred, unscored = [], 0
         if share.details:
             for item, score in zip(todo, reply.scores):

@@ -117,9 +117,10 @@ class RewardSpec(_Strict):
         default=None, description="a factory's keyword arguments: function(**args) is called once when the sandbox "
         "loads the file, and what it returns is the reward (as TRL's get_soft_overlong_punishment(...) or "
         "open-r1's get_cosine_scaled_reward(...)); JSON values only")
-    style: Literal["sample", "batch", "tool"] = Field(
+    style: Literal["sample", "batch", "tool", "environment"] = Field(
         default="sample", description="sample: fn(prompt, completion, example); batch: TRL's fn(prompts, "
-        "completions, **columns); tool: a TRL tool, fn(**arguments) (rewardbox.sandboxed_tools makes these)")
+        "completions, **columns); tool: a TRL tool, fn(**arguments); environment: a TRL environment's factory "
+        "(rewardbox.sandboxed_tools and sandboxed_environment make these two)")
     isolation: Literal["sample", "process", "worker"] = Field(
         default="sample", description="sample: every sample (batch style: every call) runs in a process of its "
         "own, forked from the module's state after import, so nothing one sample does reaches another; process: "

@@ -15,7 +15,8 @@ What TRL sees is what it would see in-process:
   (``transformers.utils.get_json_schema`` gives the same schema, so the model is shown the same tools);
 - it is async (TRL gathers one rollout's calls) and returns what the tool returned: the value itself where JSON
   carries it exactly (str, int, float, bool, None, and lists and str-keyed dicts of them), else its ``str()`` (the
-  text TRL puts in the conversation in-process is ``str(result)``: the same);
+  text TRL puts in the conversation in-process is ``str(result)``: the same; but for a list JSON does not carry
+  exactly, which TRL would pass on as a list of content parts);
 - a tool's own exception is raised as :class:`ToolError` whose ``str()`` is the original's (TRL shows the model
   ``{"error": str(e)}``); a call the sandbox ended (``timeout_s``, a crash, the memory limit) raises
   :class:`ToolError` naming the tool and what ended it. Both are ``Exception``s, which TRL counts as failed calls.
@@ -24,11 +25,13 @@ What TRL sees is what it would see in-process:
 from __future__ import annotations
 
 import ast
+import asyncio
 import contextlib
 import functools
 import inspect
 import json
 import logging
+import math
 import tempfile
 import typing
 from pathlib import Path
@@ -40,7 +43,7 @@ from .errors import ConfigError
 from .session import RewardSandboxes
 from .shipping import Shipper, where
 from .spec import Where, parse_config
-from .wire import Status
+from .wire import DEFAULT_WARM, Status
 from .wire.pb import reward_pb2 as pb
 
 log = logging.getLogger("rewardbox")
@@ -67,18 +70,48 @@ class SandboxedTools(list):
     sandboxes: RewardSandboxes
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a value a tool's JSON result carries (the sandbox sends it as text)")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999: the sandbox sends an infinite float as its text, never as JSON
+        raise ValueError(f"{text} is not a finite float")
+    return value
+
+
+_decode = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite).decode
+
+
 def result_of(text: str) -> Any:
-    """A tool's result as the sandbox carries it (``Score.result_json``): ``"j"`` and JSON (the value), or ``"s"``
-    and the ``str()`` of a value JSON does not carry exactly (that text)."""
-    return json.loads(text[1:]) if text[:1] == "j" else text[1:]
+    """A tool's result as the sandbox carries it (``Score.result_json``, ASCII): ``"j"`` and its JSON (the value),
+    or ``"s"`` and the JSON string of the ``str()`` of a value JSON does not carry exactly (that text).
+
+    Raises:
+        ValueError: the text is not one of these (a hostile call can write its answer itself).
+    """
+    try:
+        value = _decode(text[1:])
+    except (ValueError, RecursionError) as e:  # malformed, too deep, an int past the digit limit
+        raise ValueError(f"a result that does not decode ({type(e).__name__}: {str(e)[:200]})") from None
+    if text[:1] == "s" and not isinstance(value, str):
+        raise ValueError("a text result that is not a JSON string")
+    if text[:1] not in ("j", "s"):
+        raise ValueError("a result of neither form")
+    return value
+
+
+def ended_how(status: Status) -> str:
+    """What a call's status says happened to it, in words (not for ``error``: the callable raised)."""
+    return {Status.TIMEOUT: "timed out", Status.CRASH: "crashed", Status.INVALID: "returned what a sandbox cannot "
+            "send back", Status.UNAVAILABLE: "could not reach its sandbox"}.get(status, str(status))
 
 
 def _failure(name: str, status: Status, error: str) -> ToolError:
     if status is Status.ERROR:  # the tool raised: its own text, as TRL would show it in-process
         return ToolError(error, name, status)
-    what = {Status.TIMEOUT: "timed out", Status.CRASH: "crashed", Status.INVALID: "returned what a sandbox cannot "
-            "send back", Status.UNAVAILABLE: "could not reach its sandbox"}.get(status, str(status))
-    return ToolError(f"rewardbox: tool {name!r} {what}: {error}", name, status)
+    return ToolError(f"rewardbox: tool {name!r} {ended_how(status)}: {error}", name, status)
 
 
 def _arguments(fn: Callable, name: str, args: tuple, kwargs: dict) -> str:
@@ -101,14 +134,32 @@ def _proxy(fn: Callable, name: str, client: RewardClient) -> Callable:
     ``__wrapped__``, which ``inspect.signature`` and ``typing.get_type_hints`` follow) that runs ``fn`` in the
     sandbox ``client`` reaches."""
     shown = getattr(fn, "__name__", name)
+    # At most as many calls in the sandboxes as they run at once: the others wait here, not in a sandbox's queue,
+    # where the wait would count against their deadline (and a sandbox serves queued calls in no set order).
+    spec = client.reward
+    running = spec.workers * (spec.concurrency if inspect.iscoroutinefunction(fn) else 1)
+    if spec.isolation != "worker":
+        running = min(running, max(spec.workers, spec.warm or DEFAULT_WARM))
+    limit = max(1, running) * len(client.replicas)
+    gates: dict = {}  # per event loop
 
     @functools.wraps(fn)
     async def call(*args: Any, **kwargs: Any) -> Any:
         sample = pb.Sample(columns_json=_arguments(fn, shown, args, kwargs))
-        report = await client.score([sample])
+        loop = asyncio.get_running_loop()
+        gate = gates.get(loop)
+        if gate is None:
+            for old in [k for k in gates if k.is_closed()]:
+                del gates[old]
+            gate = gates[loop] = asyncio.Semaphore(limit)
+        async with gate:
+            report = await client.score([sample])
         status, value, error = report.statuses[0], report.values[0], report.errors[0] or ""
         if status is Status.OK:
-            return result_of(value)
+            try:
+                return result_of(value)
+            except ValueError as e:
+                raise _failure(shown, Status.INVALID, str(e)) from None
         raise _failure(shown, status, error)
 
     return call

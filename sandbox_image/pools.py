@@ -351,6 +351,36 @@ class FunctionPool:
             if self.retiring and self.in_flight == 0:
                 self.close()
 
+    async def call_episode(self, batch: SampleBatch, timeout_s: float, episode: str, start: bool) -> BatchResult:
+        """One call of an episode (style environment), in the slot process that holds the episode (a fresh one when
+        ``start``): the template routes it (:meth:`.template.Template._slot_for`). A call to an episode whose process
+        is gone answers a crash.
+
+        Raises:
+            PoolUnavailable: the function's processes are gone.
+        """
+        self.in_flight += 1
+        try:
+            done, failed = await self._send(batch, timeout_s, None, self._exchange,
+                                            route={"episode": episode, "start": start})
+            result = BatchResult()
+            if done is not None:
+                result.add(done)
+            else:
+                result.add_failed(failed)
+            return result
+        finally:
+            self.in_flight -= 1
+            if self.retiring and self.in_flight == 0:
+                self.close()
+
+    def end_episode(self, episode: str) -> None:
+        """The host is done with ``episode``: the template ends the process that holds it (and prepares another)."""
+        try:
+            send(self.sock, {"op": "end", "episode": episode})
+        except OSError:
+            pass
+
     async def _score_streamed(self, batch: SampleBatch, timeout_s: float, state: Optional[dict]) -> BatchResult:
         """isolation: sample and process (sample style): forked, requests of several samples, each sample answered as
         soon as it is scored; otherwise a request per sample. What a request leaves unscored (after a sample that
@@ -547,7 +577,8 @@ class FunctionPool:
         answer's texts within ``texts``, if given."""
         return await self._send(batch, timeout_s, state, functools.partial(self._stream, units=units, texts=texts))
 
-    async def _send(self, batch: SampleBatch, timeout_s: float, state: Optional[dict], exchange: Callable):
+    async def _send(self, batch: SampleBatch, timeout_s: float, state: Optional[dict], exchange: Callable,
+                    route: Optional[dict] = None):
         """Sends a request to the template with a socket of its own and runs ``exchange`` on that socket. Tells the
         template when it is done (and whether the process that served it must be retired).
 
@@ -562,7 +593,7 @@ class FunctionPool:
             request = next(self._ids)
             ours, theirs = socket.socketpair()
             try:
-                send(self.sock, {"op": "run", "req": request}, fds=[theirs.fileno()])
+                send(self.sock, {"op": "run", "req": request, **(route or {})}, fds=[theirs.fileno()])
             except OSError as e:
                 ours.close()
                 raise PoolUnavailable(f"reward {self.name!r}: its template is gone ({e})") from None

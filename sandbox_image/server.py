@@ -87,7 +87,8 @@ def _config(fn: pb.FunctionSource, default_warm: int) -> WorkerConfig:
         source=fn.source,
         function=fn.function or fn.name,
         style=STYLE_NAMES[fn.style],
-        isolation=_ISOLATION_NAMES.get(fn.isolation, "sample"),
+        # An environment's slot process holds one episode and serves its calls (then it is ended: template.py)
+        isolation="worker" if fn.style == pb.STYLE_ENVIRONMENT else _ISOLATION_NAMES.get(fn.isolation, "sample"),
         workers=fn.workers or DEFAULT_WORKERS,
         concurrency=fn.concurrency or DEFAULT_CONCURRENCY,
         max_log_bytes=fn.max_log_bytes or DEFAULT_MAX_LOG_BYTES,
@@ -233,7 +234,18 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
         # A sandbox that stops (its supervisor ended: the memory guard stopped every sample's processes, or it
         # died) answers what is in flight UNAVAILABLE, which the host scores again elsewhere, rather than waiting
         # for processes that will not run again, or reporting their end as the samples' own crash.
-        scoring = asyncio.ensure_future(fp.score(batch, request.timeout_s, state))
+        if fp.style == "environment":
+            if request.episode_end:
+                fp.end_episode(request.episode_end)
+            if not samples:  # only the end of an episode
+                return pb.ScoreResponse()
+            if len(samples) != 1 or not request.episode:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an environment's request is one call of one "
+                                                                      "episode")
+            work = fp.call_episode(batch, request.timeout_s, request.episode, request.episode_start)
+        else:
+            work = fp.score(batch, request.timeout_s, state)
+        scoring = asyncio.ensure_future(work)
         gone = asyncio.ensure_future(self.gone.wait())
         try:
             await asyncio.wait({scoring, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -251,7 +263,7 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
         except PoolUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         in_scores = False
-        _results(result, fp.style == "tool")
+        _results(result, fp.style in ("tool", "environment"))
         if request.sample_details:
             n = len(result.values)
             own = len(result.sample_logs) == n and fp.style != "batch"  # each sample's output is its own

@@ -57,6 +57,7 @@ class _Slot:
     last_failure: str = ""
     cleaned: bool = False  # a process of this template got ready in this slot: it had cleaned up after the uid
     served: bool = False  # its current process was given a request (a process that serves one is not "ready")
+    episode: Optional[str] = None  # style environment: the episode its current process holds
 
 
 class Template:
@@ -69,7 +70,9 @@ class Template:
         self.forks = bool(self.slots) and all(slots.forks(self.mode, s.spec) for s in self.slots)
         self.one_request = self.mode != "worker" and not self.forks
         self.server = server
-        self.queue: collections.deque = collections.deque()  # (request id, fd)
+        self.queue: collections.deque = collections.deque()  # (request id, fd, episode or None, starts it)
+        # Style environment: each slot process holds one episode, for its life; an episode's calls go to it alone.
+        self.episodes = config.style == "environment"
         self.selector = selectors.DefaultSelector()
         self.loaded: Optional[worker.Loaded] = None
         self.closing = False
@@ -284,6 +287,7 @@ class Template:
                 self.selector.unregister(s.control)
             s.control.close()
         s.pid, s.control, s.ready, s.retiring, s.requests, s.served = 0, None, False, False, set(), False
+        s.episode = None  # its episode, if any, is gone with it: its later calls fail (_slot_for)
         if not served:
             s.setup_failures += 1
             if s.setup_failures >= MAX_SETUP_FAILURES:
@@ -322,7 +326,15 @@ class Template:
         if op == "run":
             fd = optional_fd(fds)
             if fd is not None:
-                self.queue.append((request, fd))
+                self.queue.append((request, fd, message.get("episode"), bool(message.get("start"))))
+        elif op == "end":  # the host is done with an episode: its process goes, and a fresh one is prepared
+            for s in self.slots:
+                if self.episodes and s.episode is not None and s.episode == message.get("episode") and s.pid:
+                    s.retiring = True
+                    try:
+                        os.kill(s.pid, signal.SIGKILL)
+                    except OSError:
+                        pass
         elif op == "done":  # the server read the request's answer; ``retire``: the process must not serve again
             for s in self.slots:
                 if request in s.requests:
@@ -352,17 +364,62 @@ class Template:
             candidates = [s for s in candidates if not s.requests]
         return min(candidates, key=lambda s: len(s.requests), default=None)
 
+    def _slot_for(self, episode: Optional[str], start: bool) -> tuple[Optional[_Slot], bool]:
+        """Style environment: (the slot to run an episode's call in, or None to wait; whether the episode is gone).
+        A call that starts an episode takes a ready process that never served (one is prepared ahead for each
+        slot); any other goes to the process holding its episode once that one is idle. An episode no process holds
+        (its process died or was ended) is gone: its calls fail until the host starts another."""
+        if start:
+            fresh = [s for s in self.slots if s.ready and s.pid and not s.retiring and not s.served]
+            return (fresh[0] if fresh else None), False
+        holder = next((s for s in self.slots if s.episode is not None and s.episode == episode and s.pid
+                       and not s.retiring), None)
+        if holder is None:
+            return None, True
+        return (holder if holder.ready and not holder.requests else None), False
+
+    def _dispatch_episodes(self) -> None:
+        waiting: collections.deque = collections.deque()
+        while self.queue:
+            request, fd, episode, start = entry = self.queue.popleft()
+            s, gone = self._slot_for(episode, start)
+            if gone:  # the server reads the end of the socket, and why
+                send(self.server, {"op": "exited", "req": request, "status": "the process that held its episode "
+                                                                             "is gone (it timed out, crashed or "
+                                                                             "was ended)"})
+                os.close(fd)
+                continue
+            if s is None:
+                waiting.append(entry)
+                continue
+            assert s.control is not None  # a ready slot's process has its control socket
+            try:
+                send(s.control, {"req": request}, fds=[fd])
+            except OSError:  # it died just now: the episode is gone (a start waits for the next fresh one)
+                s.ready = False
+                waiting.append(entry) if start else os.close(fd)
+                continue
+            os.close(fd)
+            s.requests.add(request)
+            s.served = True
+            if start:
+                s.episode = episode
+        self.queue = waiting
+
     def _dispatch(self) -> None:
+        if self.episodes:
+            self._dispatch_episodes()
+            return
         while self.queue:
             s = self._free_slot()
             if s is None:
                 return
-            request, fd = self.queue.popleft()
+            request, fd, _, _ = self.queue.popleft()
             assert s.control is not None  # a ready slot's process has its control socket
             try:
                 send(s.control, {"req": request}, fds=[fd])
             except OSError:  # it died just now; the request goes to the next slot
-                self.queue.appendleft((request, fd))
+                self.queue.appendleft((request, fd, None, False))
                 s.ready = False
                 continue
             os.close(fd)

@@ -36,6 +36,7 @@ from . import cpu_wait
 from .records import FunctionInfo, SampleBatch, WorkerConfig
 
 MAX_ERROR_CHARS = 4000
+_CALLS = ("tool", "environment")  # styles whose calls answer a result, not a score (:func:`tool_result`)
 # The sandbox's own uses, bound at import: a reward that replaces signal's functions does not change its timer.
 _signal_handler, _setitimer, _getsignal = _signal.signal, _signal.setitimer, _signal.getsignal
 
@@ -163,7 +164,7 @@ def resolve_function(config: WorkerConfig, module: types.ModuleType) -> Loaded:
     named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     line = getattr(getattr(fn, "__code__", None), "co_firstlineno", None)
     where = f"{config.filename}:{line}" if line else config.filename
-    if config.style == "tool":  # called as TRL calls a tool, fn(**arguments): any signature will do
+    if config.style in _CALLS:  # a tool, fn(**arguments), or an environment's factory: any signature will do
         info = FunctionInfo(_is_async(fn), (), var_kw, f"{name}{sig}", ())
         return Loaded(fn, info, config)
     if config.style == "sample":
@@ -275,8 +276,8 @@ def _same(a: Any, b: Any) -> bool:
     a list, an int key a str, True stays True but 1.0 == 1 would not do)."""
     if type(a) is not type(b):
         return False
-    if type(a) is dict:
-        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if type(a) is dict:  # JSON's keys are str: a key of another type (a str subclass too) is not carried exactly
+        return all(type(k) is str for k in a) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
     if type(a) is list:
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     return a == b
@@ -287,16 +288,21 @@ def tool_result(value: Any) -> Outcome:
     JSON where JSON gives back exactly this value (the host returns the value itself), else ``"s"`` and its
     ``str()`` (the host returns that text: what TRL puts in the conversation, ``str(result)``, is the same)."""
     from .codec import MAX_RESULT_BYTES
+    # ASCII JSON (ensure_ascii) either way: a lone surrogate or any other character comes back exactly, where UTF-8
+    # would replace it.
     text = None
     try:
-        encoded = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        encoded = json.dumps(value, allow_nan=False, separators=(",", ":"))
         if _same(value, json.loads(encoded)):
             text = "j" + encoded
     except (TypeError, ValueError, RecursionError):  # not JSON's, or NaN, or nested too deep
         pass
     if text is None:
-        text = "s" + str(value)
-    size = len(text.encode("utf-8", "replace"))
+        shown = str(value)
+        if type(shown) is not str:  # a __str__ that returns a str subclass: its plain text
+            shown = str.__str__(shown)
+        text = "s" + json.dumps(shown)
+    size = len(text)
     if size > MAX_RESULT_BYTES:
         return Outcome.failed(Status.INVALID, f"its result takes {size} bytes (as JSON, or its str()), over the "
                                               f"{MAX_RESULT_BYTES >> 10} KiB a tool's result may have in a sandbox")
@@ -319,17 +325,49 @@ def _guarded(make: Callable[[], Outcome]) -> Outcome:
 
 
 def _outcome(loaded: Loaded, value: Any) -> Outcome:
-    """What a sample's call returned, checked: a reward's score, or a tool's result."""
-    return _guarded(lambda: tool_result(value) if loaded.config.style == "tool" else _check(value))
+    """What a sample's call returned, checked: a reward's score, or a tool's result (whose ``str()`` may raise:
+    its text, as a tool's own error)."""
+    if loaded.config.style in _CALLS:
+        try:
+            return tool_result(value)
+        except BaseException as e:  # noqa: BLE001 - the value's own code raised
+            return _error(e, tool=True)
+    return _guarded(lambda: _check(value))
 
 
 def _messages(text: str) -> Any:
     return json.loads(text) if text else None
 
 
+_EPISODE: list = []  # style environment: the one instance this process holds (a slot process serves one episode)
+_EPISODE_LOOP: list = []  # and the event loop its async methods run on, kept across its calls
+
+
+def _episode_call(loaded: Loaded, call: dict) -> Any:
+    """One call of an episode: ``call`` is {"method": name, "args": {...}} (the host sends only ``reset``,
+    ``get_reward`` and the class's public functions). The instance is made by the factory at the episode's first
+    call; an async method's coroutine runs to its end on the episode's own event loop (its state stays across calls).
+    """
+    method = call["method"]
+    if not isinstance(method, str) or method.startswith("_"):
+        raise AttributeError(f"{method!r} is not a public method")
+    if not _EPISODE:
+        _EPISODE.append(loaded.fn())
+    value = getattr(_EPISODE[0], method)(**call["args"])
+    if inspect.isawaitable(value):
+        import asyncio
+        if not _EPISODE_LOOP:
+            _EPISODE_LOOP.append(asyncio.new_event_loop())
+        value = _EPISODE_LOOP[0].run_until_complete(value)
+    return value
+
+
 def _sample_call(loaded: Loaded, batch: SampleBatch, i: int, state: Optional[TrainerState]):
-    if loaded.config.style == "tool":  # its arguments, as the model wrote them (TRL calls fn(**arguments))
+    style = loaded.config.style
+    if style == "tool":  # its arguments, as the model wrote them (TRL calls fn(**arguments))
         return loaded.fn(**json.loads(batch.columns_json[i]))
+    if style == "environment":
+        return _episode_call(loaded, json.loads(batch.columns_json[i]))
     accepted = loaded.info.accepted_keywords
     kw = {}
     if "trainer_state" in accepted:
@@ -401,7 +439,7 @@ def _run_sync(loaded: Loaded, batch: SampleBatch, timeout_s: Optional[float], st
     if loaded.config.style == "batch":
         value, failed = _timed(lambda: loaded.fn(**_batch_kwargs(loaded, batch, state)), timeout_s)
         return [failed] * len(batch) if failed else _guarded_batch(value, len(batch))
-    tool = loaded.config.style == "tool"
+    tool = loaded.config.style in _CALLS
     outcomes = []
     for i in range(len(batch)):
         value, failed = _timed(lambda: _sample_call(loaded, batch, i, state), timeout_s, tool)
@@ -416,9 +454,25 @@ def _guarded_batch(value: Any, n: int) -> list:
         return [_error(e)] * n
 
 
+class _Escaped(Exception):
+    """SystemExit or KeyboardInterrupt raised in a coroutine, carried out of its task as an Exception: asyncio would
+    re-raise them out of the event loop itself, past the sample's own handling."""
+
+    def __init__(self, exc: BaseException):
+        super().__init__()
+        self.exc = exc
+
+
+async def _contained(coro) -> Any:
+    try:
+        return await coro
+    except (SystemExit, KeyboardInterrupt) as e:
+        raise _Escaped(e) from None
+
+
 async def _await_bounded(coro, timeout_s: Optional[float], tool: bool = False) -> tuple:
     import asyncio
-    task = asyncio.ensure_future(coro)
+    task = asyncio.ensure_future(_contained(coro))
     done, _ = await asyncio.wait({task}, timeout=timeout_s)
     if not done:
         assert timeout_s is not None  # without a timeout, wait returns only once the task is done
@@ -426,6 +480,8 @@ async def _await_bounded(coro, timeout_s: Optional[float], tool: bool = False) -
         return None, _timeout(timeout_s)
     try:
         return task.result(), None
+    except _Escaped as e:
+        return None, _error(e.exc, tool)
     except BaseException as e:  # noqa: BLE001
         return None, _error(e, tool)
 
@@ -441,7 +497,7 @@ async def _run_async(loaded: Loaded, batch: SampleBatch, timeout_s: Optional[flo
         value, failed = await _await_bounded(coro, timeout_s)
         return [failed] * len(batch) if failed else _guarded_batch(value, len(batch))
     gate = asyncio.Semaphore(loaded.config.concurrency)
-    tool = loaded.config.style == "tool"
+    tool = loaded.config.style in _CALLS
 
     async def one(i: int) -> Outcome:
         async with gate:
@@ -493,7 +549,7 @@ def score_sample(loaded: Loaded, batch: SampleBatch, i: int, timeout_s: Optional
     token = _SINK.set(sink)
     try:
         value, failed = _timed(lambda: _sample_call(loaded, batch, i, state), timeout_s,
-                               loaded.config.style == "tool")
+                               loaded.config.style in _CALLS)
         outcome = failed or _outcome(loaded, value)
     finally:
         _SINK.reset(token)

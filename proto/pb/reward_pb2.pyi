@@ -13,6 +13,7 @@ class Style(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STYLE_SAMPLE: _ClassVar[Style]
     STYLE_BATCH: _ClassVar[Style]
     STYLE_TOOL: _ClassVar[Style]
+    STYLE_ENVIRONMENT: _ClassVar[Style]
 
 class Isolation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -34,6 +35,7 @@ STYLE_UNSPECIFIED: Style
 STYLE_SAMPLE: Style
 STYLE_BATCH: Style
 STYLE_TOOL: Style
+STYLE_ENVIRONMENT: Style
 ISOLATION_UNSPECIFIED: Isolation
 ISOLATION_SAMPLE: Isolation
 ISOLATION_WORKER: Isolation
@@ -165,20 +167,26 @@ class Sample(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., completion: _Optional[str] = ..., prompt_messages_json: _Optional[str] = ..., completion_messages_json: _Optional[str] = ..., columns_json: _Optional[str] = ..., completion_ids: _Optional[_Iterable[int]] = ..., has_completion_ids: _Optional[bool] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("function", "samples", "trainer_state", "has_trainer_state", "timeout_s", "sample_details")
+    __slots__ = ("function", "samples", "trainer_state", "has_trainer_state", "timeout_s", "sample_details", "episode", "episode_start", "episode_end")
     FUNCTION_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     TRAINER_STATE_FIELD_NUMBER: _ClassVar[int]
     HAS_TRAINER_STATE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_START_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_END_FIELD_NUMBER: _ClassVar[int]
     function: str
     samples: _containers.RepeatedCompositeFieldContainer[Sample]
     trainer_state: TrainerState
     has_trainer_state: bool
     timeout_s: float
     sample_details: bool
-    def __init__(self, function: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., trainer_state: _Optional[_Union[TrainerState, _Mapping]] = ..., has_trainer_state: _Optional[bool] = ..., timeout_s: _Optional[float] = ..., sample_details: _Optional[bool] = ...) -> None: ...
+    episode: str
+    episode_start: bool
+    episode_end: str
+    def __init__(self, function: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., trainer_state: _Optional[_Union[TrainerState, _Mapping]] = ..., has_trainer_state: _Optional[bool] = ..., timeout_s: _Optional[float] = ..., sample_details: _Optional[bool] = ..., episode: _Optional[str] = ..., episode_start: _Optional[bool] = ..., episode_end: _Optional[str] = ...) -> None: ...
 
 class Score(_message.Message):
     __slots__ = ("value", "status", "error", "deferred", "logs", "seconds", "result_json")

@@ -171,3 +171,95 @@ def test_kill_minus_one_and_leftovers_reach_no_other_call(tools):
 def test_a_tool_never_sees_the_trainers_environment(tools):
     environment = asyncio.run(tools[1](action="environment"))
     assert "hunter2" not in environment and "RBX_HOST_SECRET" not in environment
+
+
+def run_code(code: str) -> object:
+    """Runs code and returns its `result`.
+
+    Args:
+        code: python
+    """
+    namespace: dict = {}
+    exec(code, namespace)
+    return namespace.get("result")
+
+
+# A call that writes an answer of its own into the mapping its slot process reads (found through gc), writes the
+# done byte and exits: the answer format's checks, and the host's, are all that stand between it and the trainer.
+FORGE = r'''
+import gc, mmap, os, struct
+from rewardbox.sandbox import codec
+from rewardbox.sandbox.stream import ChildMarker
+answer = [m for m in gc.get_objects() if isinstance(m, mmap.mmap) and not m.closed and len(m) > 200000][0]
+body = codec._HEADER.pack(codec.MAGIC, 1, 0, 0) + codec._SAMPLE.pack(STATUS, HAS, 0.0, len(TEXT), 0.0) + TEXT
+answer[:4] = struct.pack("<I", len(body))
+answer[4:4 + len(body)] = body
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        if os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:"):
+            os.write(int(fd), ChildMarker.DONE)
+    except OSError:
+        pass
+os._exit(0)
+'''
+
+
+@pytest.fixture(scope="module")
+def code_tool(docker_client, base_image):
+    sandbox = {"backend": "docker", "docker": {"base_image": base_image}}
+    with sandboxed_tools([run_code], sandbox=sandbox, timeout_s=1, retries=0) as (tool,):
+        yield tool
+
+
+@pytest.mark.parametrize("text,has", [(b"j{not json", 2), (b"j1e999", 2), (b"jNaN", 2), (b"j" + b"[" * 100000, 2),
+                                      (b"x-neither form", 2), (b"s123", 2), (b"", 0)])
+def test_a_forged_answer_is_the_calls_invalid_never_another_exception_or_value(code_tool, text, has):
+    code = f"TEXT = {text!r}\nSTATUS = {Status.OK.wire}\nHAS = {has}\n" + FORGE
+    with pytest.raises(ToolError) as raised:
+        asyncio.run(code_tool(code=code))
+    assert raised.value.status is Status.INVALID, raised.value
+
+
+@pytest.mark.parametrize("code,expected", [
+    ("result = 'a\\ud800b\\ud83d'", "a\ud800b\ud83d"),  # lone surrogates: exactly (ASCII JSON)
+    ("class S(str):\n    def __repr__(self): return 'REPR'\nresult = {S('a'): 1}", "{REPR: 1}"),
+    ("import sys\nsys.set_int_max_str_digits(0)\nresult = 10 ** 5000", None),
+])
+def test_values_come_back_as_trl_would_show_them(code_tool, code, expected):
+    if expected is None:  # an int past the host's digit limit: the call's own failure, never the host's exception
+        with pytest.raises(ToolError):
+            asyncio.run(code_tool(code=code))
+        return
+    got = asyncio.run(code_tool(code=code))
+    assert str(got) == expected
+
+
+def test_exits_and_raising_str_are_the_tools_own_errors_without_a_traceback(code_tool, docker_client, base_image):
+    with pytest.raises(ToolError, match=r"^bad str$"):
+        asyncio.run(code_tool(code="class B:\n    def __str__(self): raise ValueError('bad str')\nresult = B()"))
+
+    async def exits(code: int) -> str:
+        """Exits.
+
+        Args:
+            code: status
+        """
+        raise SystemExit(code)
+
+    with sandboxed_tools([exits], sandbox={"backend": "docker", "docker": {"base_image": base_image}}) as (tool,):
+        with pytest.raises(ToolError, match=r"^SystemExit\(3\) raised by the tool$"):
+            asyncio.run(tool(code=3))
+
+
+def test_calls_queued_behind_slow_ones_wait_their_turn_instead_of_failing(code_tool):
+    # 30 calls that run to their 1 s timeout ahead of 10 innocents, on 2 workers: the innocents wait about 15 s,
+    # which is past one call's own deadline; each call's deadline counts the calls ahead of it.
+    async def calls():
+        slow = [code_tool(code="while True: pass") for _ in range(30)]
+        quick = [code_tool(code=f"result = {i}") for i in range(10)]
+        return await asyncio.gather(*slow, *quick, return_exceptions=True)
+
+    results = asyncio.run(calls())
+    odd = [str(r) for r in results[:30] if not (isinstance(r, ToolError) and r.status is Status.TIMEOUT)]
+    assert not odd, odd
+    assert results[30:] == list(range(10))

@@ -1,0 +1,145 @@
+"""Hostile episodes beside innocent ones, in real containers (runc and gVisor), through
+rewardbox.sandboxed_environment.
+
+Each episode is a process of its own holding one environment instance. A hostile episode's action runs while
+innocent episodes are live (their state must survive it) and before fresh ones start (they must find nothing of
+it): module and class state, files in /tmp and the working directory, environment, processes of their uid."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from rewardbox import ToolError, sandboxed_environment
+from rewardbox.environments import end_episode
+from tests.docker.test_tools import act
+
+
+class Episode:
+    """An environment that keeps a secret per episode and reports whatever another episode left."""
+
+    planted: list = []  # class state another episode could try to leave
+
+    def __init__(self):
+        self.secret = None
+
+    def reset(self, secret: str, **kwargs) -> None:
+        self.secret = secret
+
+    def look(self) -> dict:
+        """Reports this episode's secret and what others left."""
+        import os
+
+        me, found = os.getuid(), []
+        if Episode.planted:
+            found.append(f"class state {Episode.planted}")
+        if os.environ.get("PLANTED"):
+            found.append("environment")
+        for where in ("/tmp", "."):
+            left = [name for name in os.listdir(where) if name != f"{self.secret}.txt"]
+            if left:
+                found.append(f"files in {where}: {sorted(left)}")
+        for pid in os.listdir("/proc"):
+            if pid.isdigit() and int(pid) not in (os.getpid(), os.getppid()):
+                try:
+                    with open(f"/proc/{pid}/status") as f:
+                        status = f.read()
+                except OSError:
+                    continue
+                if f"Uid:\t{me}\t" in status and "State:\tZ" not in status:
+                    found.append(f"process {pid}")
+        with open(f"/tmp/{self.secret}.txt", "w") as f:  # its own file: it must find it again, and only it
+            f.write(self.secret)
+        return {"secret": self.secret, "found": found}
+
+    def attack(self, action: str) -> str:
+        """Does something hostile.
+
+        Args:
+            action: what
+        """
+        if action == "steal":  # another episode's secret file (each has a uid and /tmp of its own)
+            import glob
+
+            return repr([open(p).read() for p in glob.glob("/tmp/*.txt") + glob.glob("/tmp/*/*.txt")])
+        if action == "plant":
+            Episode.planted.append("hostile")
+        return act(action)
+
+    def get_reward(self) -> float:
+        return float(len(self.secret or ""))
+
+
+@pytest.fixture(scope="module", params=["runc", "runsc"])
+def factory(request, docker_client, base_image):
+    if request.param == "runsc" and "runsc" not in docker_client.info().get("Runtimes", {}):
+        pytest.fail("the Docker engine has no runsc runtime: start it as scripts/setup.sh does")
+    os.environ["RBX_HOST_SECRET"] = "hunter2"
+    sandbox = {"backend": "docker", "docker": {"base_image": base_image,
+                                               "runtime": None if request.param == "runc" else "runsc"}}
+    try:
+        with sandboxed_environment(Episode, sandbox=sandbox, timeout_s=2, memory="1g", max_episodes=8,
+                                   default_score=-1.0) as made:
+            yield made
+    finally:
+        os.environ.pop("RBX_HOST_SECRET", None)
+
+
+INNOCENTS = 4
+
+
+async def _all(calls):
+    return await asyncio.gather(*calls)
+
+
+async def _with_innocents(innocents, hostile, action):
+    looks = [env.look() for env in innocents]
+    return await asyncio.gather(*looks[:2], hostile.attack(action=action), *looks[2:], return_exceptions=True)
+
+
+@pytest.mark.parametrize("action", ["loop", "fork bomb", "memory", "kill -1", "leave behind", "plant", "steal",
+                                    "host files", "environment"])
+def test_a_hostile_episode_reaches_no_other_episode_live_or_next(factory, action):
+    innocents = [factory() for _ in range(INNOCENTS)]
+    for i, env in enumerate(innocents):
+        env.reset(secret=f"innocent{i}")
+    assert [r["found"] for r in asyncio.run(_all(env.look() for env in innocents))] == [[]] * INNOCENTS
+    hostile = factory()
+    hostile.reset(secret="hostile")
+    results = asyncio.run(_with_innocents(innocents, hostile, action))
+    attacked = results[2]
+    looks = results[:2] + results[3:]
+    assert [r["secret"] for r in looks] == [f"innocent{i}" for i in range(INNOCENTS)], looks
+    assert all(r["found"] == [] for r in looks), looks
+    if action == "steal":
+        assert attacked == "[]"
+    if action == "environment":
+        assert "hunter2" not in attacked and "RBX_HOST_SECRET" not in attacked
+    if action in ("loop", "fork bomb"):
+        assert isinstance(attacked, ToolError) and ("timed out" in str(attacked) or "crashed" in str(attacked))
+    # The innocents' episodes lived through it, with their state; their rewards are their own.
+    assert [env.get_reward() for env in innocents] == [9.0] * INNOCENTS  # len("innocent0")
+    # The hostile episode's next one, and fresh ones, find nothing of it.
+    hostile.reset(secret="after")
+    fresh = [factory() for _ in range(2)]
+    for env in fresh:
+        env.reset(secret="fresh")
+    found = asyncio.run(_all([hostile.look(), *(env.look() for env in fresh)]))
+    assert all(r["found"] == [] for r in found), found
+    for env in [*innocents, hostile, *fresh]:
+        end_episode(env)  # the next test starts with free processes
+
+
+def test_an_episode_that_timed_out_falls_back_until_reset(factory):
+    env = factory()
+    env.reset(secret="abc")
+    with pytest.raises(ToolError, match=r"attack\(\) timed out"):
+        asyncio.run(env.attack(action="loop"))
+    with pytest.raises(ToolError, match=r"its episode ended when attack\(\) timed out"):
+        asyncio.run(env.look())
+    assert env.get_reward() == -1.0
+    env.reset(secret="abcd")
+    assert asyncio.run(env.look())["found"] == [] and env.get_reward() == 4.0
+    end_episode(env)

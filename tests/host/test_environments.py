@@ -1,0 +1,161 @@
+"""rewardbox.sandboxed_environment: what TRL sees of a sandboxed environment (its tools, reset, get_reward) is what
+it sees of the original in-process, and each episode is a process of its own. Sandboxes run on the local backend
+here (real processes, real gRPC, the real template routing an episode's calls); tests/docker/test_environments.py
+attacks episodes in real containers, tests/trainer/test_tools_trainer.py trains with one."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import os
+
+import pytest
+from transformers.utils import get_json_schema
+
+from rewardbox import ConfigError, ToolError, sandboxed_environment
+from rewardbox.wire import Status
+from tests.conftest import run
+
+LOCAL = {"backend": "local"}
+
+
+class Counter:
+    """Counts what the model adds."""
+
+    made = 0  # class state: how many instances this process made
+
+    def __init__(self, start: int = 0):
+        Counter.made += 1
+        self.start, self.n, self.log = start, start, []
+
+    def reset(self, offset: int = 0, **kwargs) -> str:
+        self.n = self.start + offset
+        return f"counting from {self.n}"
+
+    def bump(self, by: int) -> int:
+        """Adds to the counter.
+
+        Args:
+            by: how much to add
+        """
+        self.n += by
+        self.log.append(by)
+        return self.n
+
+    async def history(self) -> dict:
+        """What was added in this episode, and by which process."""
+        return {"log": self.log, "made": Counter.made, "pid": os.getpid()}
+
+    def fail(self, text: str) -> str:
+        """Raises.
+
+        Args:
+            text: the message
+        """
+        raise KeyError(text)
+
+    def stall(self, seconds: float) -> str:
+        """Sleeps.
+
+        Args:
+            seconds: how long
+        """
+        import time
+
+        time.sleep(seconds)
+        return "awake"
+
+    def _private(self) -> None:
+        raise AssertionError("never a tool")
+
+    def get_reward(self) -> float:
+        return float(self.n)
+
+
+class AsyncReward(Counter):
+    async def get_reward(self) -> float:
+        return self.n / 2
+
+
+def _tools(instance) -> dict:
+    """The tools TRL takes from an environment instance (grpo_trainer: public functions but reset, get_reward)."""
+    return {name: method for name, method in inspect.getmembers(instance, inspect.ismethod)
+            if name in {n for n, _ in inspect.getmembers(type(instance), inspect.isfunction)}
+            and not name.startswith("_") and name not in ("reset", "get_reward")}
+
+
+def test_trl_sees_the_same_tools_and_an_episode_keeps_its_state_across_calls():
+    with sandboxed_environment(functools.partial(Counter, start=10), sandbox=LOCAL, timeout_s=2) as factory:
+        env, other = factory(), factory()
+        assert type(env).__name__ == "Counter"
+        original = _tools(Counter())
+        mine = _tools(env)
+        assert sorted(mine) == sorted(original) == ["bump", "fail", "history", "stall"]
+        for name in mine:
+            assert get_json_schema(mine[name]) == get_json_schema(original[name])
+            assert asyncio.iscoroutinefunction(mine[name])
+        assert not asyncio.iscoroutinefunction(env.reset) and not asyncio.iscoroutinefunction(env.get_reward)
+        assert env.reset(offset=1) == "counting from 11" and other.reset() == "counting from 10"
+
+        async def calls():
+            return await asyncio.gather(env.bump(by=2), other.bump(by=5), env.bump(3))
+
+        assert run(calls()) == [13, 15, 16]
+        first = run(env.history())
+        assert first["log"] == [2, 3] and first["made"] == 1  # its own instance, in a process of its own
+        assert (env.get_reward(), other.get_reward()) == (16.0, 15.0)
+        env.reset()  # a new episode: a fresh process, a fresh instance
+        second = run(env.history())
+        assert second == {"log": [], "made": 1, "pid": second["pid"]} and second["pid"] != first["pid"]
+        assert env.get_reward() == 10.0
+
+
+def test_errors_are_the_originals_and_an_ended_episode_fails_until_reset():
+    with sandboxed_environment(AsyncReward, sandbox=LOCAL, timeout_s=1, default_score=-1.0) as factory:
+        env = factory()
+        with pytest.raises(ToolError, match=r"no episode: reset\(\) starts one"):
+            run(env.bump(by=1))
+        env.reset(offset=4)
+        with pytest.raises(ToolError) as raised:
+            run(env.fail(text="no such key"))
+        with pytest.raises(KeyError) as in_process:
+            Counter().fail(text="no such key")
+        assert str(raised.value) == str(in_process.value) and raised.value.status is Status.ERROR
+        assert run(env.bump(by=2)) == 6  # its own exception does not end the episode
+        assert asyncio.iscoroutinefunction(env.get_reward) and run(env.get_reward()) == 3.0
+        with pytest.raises(ToolError, match=r"^rewardbox: environment 'AsyncReward': stall\(\) timed out: exceeded "
+                                            r"timeout_s=1"):
+            run(env.stall(seconds=5))
+        with pytest.raises(ToolError, match=r"its episode ended when stall\(\) timed out .*; reset\(\) starts a "
+                                            r"new one"):
+            run(env.bump(by=1))
+        assert run(env.get_reward()) == -1.0  # the environment's fallback
+        env.reset()
+        assert run(env.bump(by=1)) == 1
+
+
+def test_more_live_episodes_than_max_episodes_fail_their_own_calls_only():
+    with sandboxed_environment(Counter, sandbox=LOCAL, max_episodes=2) as factory:
+        a, b, c = factory(), factory(), factory()
+        assert a.reset() == b.reset() == "counting from 0"
+        assert c.reset() is None  # never raises: TRL calls it in its own loop
+        with pytest.raises(ToolError, match="more than max_episodes=2 episodes of Counter are live"):
+            run(c.bump(by=1))
+        assert c.get_reward() == 0.0
+        a.reset()  # a's next episode: its last one ended first
+        assert run(a.bump(by=1)) == 1 and run(b.bump(by=2)) == 2
+
+
+def test_several_environments_by_name_and_bad_factories():
+    with sandboxed_environment({"count": Counter, "half": AsyncReward}, sandbox=LOCAL) as factories:
+        assert sorted(factories) == ["count", "half"]
+        env = factories["half"]()
+        env.reset(offset=3)
+        assert run(env.get_reward()) == 1.5
+    with pytest.raises(ConfigError, match=r"environment_factory \(.*\) is a function: pass the environment's class"):
+        with sandboxed_environment(lambda: Counter(), sandbox=LOCAL):
+            pass
+    with pytest.raises(ConfigError, match=r"'isolation', 'workers' are fixed for an environment"):
+        with sandboxed_environment(Counter, sandbox=LOCAL, workers=3, isolation="sample"):
+            pass
