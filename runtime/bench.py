@@ -19,7 +19,9 @@
 (y) the trivial reward of (a) (``isolation: worker``) through the ray backend on a Ray cluster of this machine
     beside the local path of (a): see :mod:`.bench_ray`;
 (t) a TRL tool's call through ``rewardbox.sandboxed_tools`` beside the same call in-process: see
-    :mod:`.bench_tools`.
+    :mod:`.bench_tools`;
+(v) a TRL environment through ``rewardbox.sandboxed_environment``: resets as TRL calls them, method calls, memory
+    per live episode, 256 live episodes: see :mod:`.bench_tools`.
 Targets are printed beside the figures, never asserted.
 """
 
@@ -107,7 +109,7 @@ def _batch_times(reward, samples: list, iterations: int, pace_s: float) -> list[
     return asyncio.run(batches())
 
 
-PARTS = "abcdefghryt"
+PARTS = "abcdefghrytv"
 WORKER = "isolation: worker"
 
 
@@ -192,6 +194,10 @@ def run_bench(base_image: str, iterations: int = 200, progress: Callable[[str], 
             from .bench_tools import tool_figures
 
             figures.extend(tool_figures(base_image, iterations, progress, Figure))
+        if "v" in parts:
+            from .bench_tools import environment_figures
+
+            figures.extend(environment_figures(client, base_image, iterations, progress, Figure))
         if "r" in parts:
             from .bench_report import report_figures
 

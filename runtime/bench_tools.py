@@ -1,8 +1,13 @@
-"""``rewardbox bench`` part (t): a TRL tool's call through :func:`rewardbox.sandboxed_tools` (under the default
-``isolation: sample``: a process forked for each call) beside the same function called in-process.
+"""``rewardbox bench`` parts (t) and (v): TRL's tools and environments in sandboxes.
 
-- one call at a time (TRL calls a rollout's tools, then the next rollout's): overhead per call, p50 and p99;
-- 64 calls at once (one rollout's calls gathered, or several ranks'): wall time per call.
+(t) a tool's call through :func:`rewardbox.sandboxed_tools` (under the default ``isolation: sample``: a process
+forked for each call) beside the same function called in-process: one call at a time (TRL calls a rollout's tools,
+then the next rollout's), overhead per call p50 and p99; and 64 calls at once, wall time per call.
+
+(v) an environment through :func:`rewardbox.sandboxed_environment`: 1,024 resets in a row over a pool of 64
+instances, as TRL calls them (each ends an episode and starts one in a process prepared ahead); a method call's
+overhead beside in-process; the sandbox's memory per idle live episode (256 live, beyond the sandbox with none);
+256 episodes started one after another, then 3 calls each, all at once.
 """
 
 from __future__ import annotations
@@ -72,3 +77,118 @@ def tool_figures(base_image: str, iterations: int, progress: Callable[[str], Non
         Figure("overhead per sandboxed tool call (isolation: sample), p99", f"{p99:.2f} ms", "-", None),
         Figure("64 sandboxed tool calls at once, wall time per call", f"{concurrent * 1000:.2f} ms", "-", None),
     ]
+
+
+# -- (v) environments -------------------------------------------------------------------------------------------
+
+ENVIRONMENT = '''
+class Tally:
+    """Counts what the model adds."""
+
+    def reset(self, **kwargs) -> str:
+        self.total = 0
+        return "ready"
+
+    def add(self, n: int) -> int:
+        """Adds to the tally.
+
+        Args:
+            n: how much
+        """
+        self.total += n
+        return self.total
+
+    def get_reward(self) -> float:
+        return float(self.total)
+'''
+
+RESETS = 1024
+POOL = 64  # TRL's pool: one instance per rollout in flight
+LIVE = 256
+TARGET_RESET_P50_MS = 2.0
+TARGET_IDLE_MIB = 15.0
+
+
+def _container_memory(client) -> int:
+    """Bytes the running rewardbox containers use (their cgroups, as the engine reports them), page cache excluded."""
+    total = 0
+    for container in client.containers.list(filters={"label": "rewardbox"}, ignore_removed=True):
+        stats = container.stats(stream=False, one_shot=True)["memory_stats"]
+        total += stats.get("usage", 0) - stats.get("stats", {}).get("inactive_file", 0)
+    return total
+
+
+def environment_figures(client, base_image: str, iterations: int, progress: Callable[[str], None], Figure) -> list:
+    from .environments import end_episode, sandboxed_environment
+
+    namespace: dict = {"__name__": "bench_environment"}
+    exec(ENVIRONMENT, namespace)
+    tally = namespace["Tally"]
+    sandbox = {"backend": "docker", "docker": {"base_image": base_image}}
+    figures = []
+    progress(f"(v) environments: {RESETS} resets in a row over a pool of {POOL}, {iterations} calls, "
+             f"{LIVE} live episodes")
+    with sandboxed_environment(tally, sandbox=sandbox, max_episodes=LIVE + 8, memory="4g") as factory:
+        assert not isinstance(factory, dict)  # one environment: its factory
+        pool = [factory() for _ in range(POOL)]
+        time.sleep(5.0)  # the sandbox prepares its processes ahead of demand
+        resets = []
+        for i in range(RESETS):
+            t0 = time.perf_counter()
+            pool[i % POOL].reset()
+            resets.append(time.perf_counter() - t0)
+        env = pool[0]
+        in_process = tally()
+        in_process.reset()
+        base = statistics.median([_timed(lambda: in_process.add(n=1)) for _ in range(iterations)])
+
+        async def calls() -> list:
+            times = []
+            for _ in range(iterations + WARM_UP):
+                t0 = time.perf_counter()
+                await env.add(n=1)
+                times.append(time.perf_counter() - t0)
+            return times[WARM_UP:]
+
+        call_times = asyncio.run(calls())
+        for instance in pool:
+            end_episode(instance)
+        time.sleep(5.0)
+        idle = _container_memory(client)
+        live = [factory() for _ in range(LIVE)]
+        t0 = time.perf_counter()
+        for instance in live:
+            instance.reset()
+        started_s = time.perf_counter() - t0
+        time.sleep(2.0)
+        busy = _container_memory(client)
+
+        async def interleaved() -> float:
+            t1 = time.perf_counter()
+            await asyncio.gather(*(instance.add(n=k) for k in range(3) for instance in live))
+            return time.perf_counter() - t1
+
+        together_s = asyncio.run(interleaved())
+        rewards = [instance.get_reward() for instance in live]
+        assert rewards == [3.0] * LIVE, rewards[:5]
+    reset_p50, reset_p99 = (_percentile(resets, q) * 1000 for q in (0.5, 0.99))
+    call_p50, call_p99 = ((_percentile(call_times, q) - base) * 1000 for q in (0.5, 0.99))
+    per_idle = (busy - idle) / LIVE / 2 ** 20
+    figures += [
+        Figure(f"reset of a fresh episode, {RESETS} in a row over {POOL} instances, p50", f"{reset_p50:.2f} ms",
+               f"<= {TARGET_RESET_P50_MS:g} ms", reset_p50 <= TARGET_RESET_P50_MS),
+        Figure("reset of a fresh episode, p99", f"{reset_p99:.2f} ms", "-", None),
+        Figure("overhead per environment method call, p50", f"{call_p50:.2f} ms", "<= 2 ms", call_p50 <= 2.0),
+        Figure("overhead per environment method call, p99", f"{call_p99:.2f} ms", "-", None),
+        Figure(f"memory per idle live episode ({LIVE} live, beyond the sandbox's own)", f"{per_idle:.1f} MiB",
+               f"<= {TARGET_IDLE_MIB:g} MiB", per_idle <= TARGET_IDLE_MIB),
+        Figure(f"{LIVE} episodes started one after another", f"{started_s:.2f} s", "-", None),
+        Figure(f"{LIVE} live episodes, 3 calls each interleaved, wall", f"{together_s:.2f} s", "-", None),
+    ]
+    return figures
+
+
+def _timed(call: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    call()
+    return time.perf_counter() - t0
