@@ -336,6 +336,11 @@ class Template:
                     except OSError:
                         pass
         elif op == "done":  # the server read the request's answer; ``retire``: the process must not serve again
+            # Or it gave up on it while it waited here for a process (its caller went away): it never runs (an
+            # episode it would start would hold a process no one ends).
+            for entry in [e for e in self.queue if e[0] == request]:
+                self.queue.remove(entry)
+                os.close(entry[1])
             for s in self.slots:
                 if request in s.requests:
                     s.requests.discard(request)
