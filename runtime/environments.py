@@ -31,6 +31,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
+from pydantic import Field
+
 from .dropin import _check_settings, _installs, _spec_name, _validate
 from .errors import ConfigError, RewardboxError
 from .replica import Replica
@@ -371,3 +373,51 @@ def sandboxed_environment(factory: Union[Callable, dict], *, sandbox: Optional[d
                 yield made_factories[None] if None in made_factories else made_factories
     finally:
         loop.close()
+
+
+class EnvironmentSpec(RewardSpec):
+    """An environment named in a training config (``environment:``): its class (``function``, default ``name``) in
+    ``source``, and the reward settings that apply (see :func:`sandboxed_environment`)."""
+
+    max_episodes: int = Field(default=DEFAULT_MAX_EPISODES, gt=0, description="episodes live at once (one process "
+                              "each): TRL keeps one instance per rollout in flight")
+
+
+class StartedEnvironment:
+    """An environment's sandboxes started from a config, the factory TRL takes, and what stops them."""
+
+    def __init__(self, sandboxes: RewardSandboxes, factory: Callable, loop: _Loop):
+        self.sandboxes, self.factory, self._loop = sandboxes, factory, loop
+
+    def stop(self) -> None:
+        self.sandboxes.stop()
+        self._loop.close()
+
+
+def environment_from_config(config, spec: EnvironmentSpec, backend=None) -> StartedEnvironment:
+    """Starts the sandboxes of the environment a training config names; its tools are read from the class's
+    syntax in its file (:func:`.tools.class_stub_from_source`: the host never imports the file).
+
+    Raises:
+        ConfigError: the class or a method's signature cannot be read; plus what :meth:`RewardSandboxes.start`
+        raises. Nothing is left running then.
+    """
+    from .tools import class_stub_from_source
+
+    cls = class_stub_from_source(config.source_path(spec), spec.function_name)
+    if "reset" not in vars(cls):
+        raise ConfigError(f"{config.source_path(spec)}: class {cls.__name__} has no reset() method, which TRL calls "
+                          "at the start of every rollout")
+    reward = RewardSpec.model_validate({
+        **spec.model_dump(exclude={"max_episodes"}, exclude_unset=True), "style": "environment",
+        "isolation": "worker", "workers": spec.max_episodes, "pids": spec.pids if "pids" in spec.model_fields_set
+        else pids_for(spec.max_episodes)})
+    sandboxes = RewardSandboxes(config.model_copy(update={"rewards": [reward]}), backend=backend)
+    loop = _Loop()
+    try:
+        sandboxes.start()
+    except BaseException:
+        loop.close()
+        raise
+    episodes = _Episodes(reward.name, reward, sandboxes.replicas[reward.name], loop, spec.max_episodes)
+    return StartedEnvironment(sandboxes, proxy_class(cls, episodes), loop)

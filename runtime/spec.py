@@ -255,6 +255,8 @@ class RewardboxConfig(_Strict):
     output_dir: Optional[Any] = Field(default=None, description="training: where to save")
     save_merged: bool = Field(default=False, description="training: also save the LoRA-merged model")
     tools: Optional[Any] = Field(default=None, description="training: TRL tools, each call run in a sandbox")
+    environment: Optional[Any] = Field(default=None, description="training: a TRL environment, each episode in a "
+                                       "sandbox")
     base_dir: Path = Field(default=Path("."), exclude=True, description="directory sources are relative to")
     where: Where = Field(default_factory=Where, exclude=True, description="the file and key lines, for errors")
 

@@ -35,7 +35,7 @@ import math
 import tempfile
 import typing
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 from .client import RewardClient
 from .dropin import SETTINGS, _check_settings, _installs, _merge, _spec_name, _validate
@@ -274,9 +274,33 @@ def stub_from_source(path: Path, function: str) -> Callable:
     if node is None:
         raise ConfigError(f"{path}: no top-level `def {function}(...)`: a tool named in a config must be defined "
                           "with def at the top of its file (the host reads its signature and docstring from there)")
+    return _stub(node, path)
+
+
+def class_stub_from_source(path: Path, name: str) -> type:
+    """A class with the name, docstring and methods (stand-ins with each one's signature, docstring and type hints,
+    async where the original is) of ``class name`` in ``path``, read from the file's syntax: what
+    :func:`rewardbox.environments.proxy_class` reads an environment's tools from.
+
+    Raises:
+        ConfigError: no such class at the top of the file, or a method whose hints or defaults cannot be read.
+    """
+    tree = ast.parse(path.read_text(), filename=str(path))
+    node = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), None)
+    if node is None:
+        raise ConfigError(f"{path}: no top-level `class {name}`: an environment named in a config must be a class "
+                          "defined at the top of its file (the host reads its methods from there)")
+    methods = {n.name: _stub(n, path, method=True) for n in node.body
+               if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and not n.name.startswith("_")}
+    stub = type(name, (), {**methods, "__doc__": ast.get_docstring(node), "__module__": "rewardbox.config"})
+    return stub
+
+
+def _stub(node: Union[ast.FunctionDef, ast.AsyncFunctionDef], path: Path, method: bool = False) -> Callable:
+    function = node.name
     where = f"{path}:{node.lineno}"
     arguments = node.args
-    if arguments.vararg or arguments.kwarg or arguments.posonlyargs:
+    if arguments.vararg or arguments.posonlyargs or (arguments.kwarg and not (method and function == "reset")):
         raise ConfigError(f"{where}: {function}() takes *args, **kwargs or positional-only parameters: a tool is "
                           "called with its arguments by name (TRL passes the JSON object the model wrote)")
     defaults: list = [inspect.Parameter.empty] * (len(arguments.args) - len(arguments.defaults)) + [
@@ -296,18 +320,24 @@ def stub_from_source(path: Path, function: str) -> Callable:
         if arg.annotation is not None:
             annotation = hints[arg.arg] = _hint(arg.annotation, where)
         parameters.append(inspect.Parameter(arg.arg, kind, default=default, annotation=annotation))
+    if arguments.kwarg:
+        parameters.append(inspect.Parameter(arguments.kwarg.arg, inspect.Parameter.VAR_KEYWORD))
     returns = inspect.Signature.empty
     if node.returns is not None:
         returns = hints["return"] = _hint(node.returns, where)
 
-    def stub(**kwargs: Any) -> Any:
+    def stub(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a signature stand-in: the tool runs in its sandbox")
 
-    stub.__name__ = stub.__qualname__ = function
-    stub.__doc__ = ast.get_docstring(node)
-    stub.__annotations__ = hints
-    setattr(stub, "__signature__", inspect.Signature(parameters, return_annotation=returns))  # inspect reads it
-    return stub
+    async def async_stub(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a signature stand-in: the tool runs in its sandbox")
+
+    made = async_stub if isinstance(node, ast.AsyncFunctionDef) else stub
+    made.__name__ = made.__qualname__ = function
+    made.__doc__ = ast.get_docstring(node)
+    made.__annotations__ = hints
+    setattr(made, "__signature__", inspect.Signature(parameters, return_annotation=returns))  # inspect reads it
+    return made
 
 
 def tools_from_config(config, specs: Sequence, backend=None) -> tuple[RewardSandboxes, SandboxedTools]:

@@ -11,6 +11,7 @@ from typing import Any, Literal, Optional, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..environments import EnvironmentSpec
 from ..errors import ConfigError
 from ..spec import RewardboxConfig, RewardSpec, Where, parse_config, read_yaml_file, yaml_load
 
@@ -54,6 +55,9 @@ class TrainConfig(RewardboxConfig):
     tools: list[RewardSpec] = Field(default_factory=list, description="TRL tools (GRPOTrainer(tools=...)), each "
                                     "call run in a sandbox: name, source, function and the reward settings but "
                                     "style, default_score and weight")
+    environment: Optional[EnvironmentSpec] = Field(default=None, description="a TRL environment "
+                                                   "(environment_factory=), each episode a sandbox process: name, "
+                                                   "source, function (the class), max_episodes and reward settings")
 
 
 def _parse_value(text: str) -> Any:
@@ -129,7 +133,7 @@ def parse_train_config(data: Any, base_dir: Path, where: Where = Where()) -> Tra
 
 def _check_tools(cfg: TrainConfig, where: Where) -> None:
     """Each ``tools:`` entry: a tool (style ``tool``), its source a .py file whose ``def`` the host can read its
-    schema from, its name unique among the tools."""
+    schema from, its name unique among the tools; the ``environment:``'s source and class likewise."""
     from ..tools import NOT_FOR_TOOLS, stub_from_source
 
     names: set[str] = set()
@@ -148,6 +152,21 @@ def _check_tools(cfg: TrainConfig, where: Where) -> None:
             raise ConfigError(f"{where.at('tools', i, 'name')}: tool name {tool.name!r} is used twice")
         names.add(tool.name)
     cfg.tools = [tool.model_copy(update={"style": "tool"}) for tool in cfg.tools]
+    environment = cfg.environment
+    if environment is not None:
+        from ..environments import NOT_FOR_ENVIRONMENTS
+        from ..tools import class_stub_from_source
+
+        fixed = sorted(set(NOT_FOR_ENVIRONMENTS) & environment.model_fields_set)
+        if fixed:
+            raise ConfigError(f"{where.at('environment', fixed[0])}: {', '.join(fixed)} are fixed for an "
+                              "environment (each episode is a process of its own; max_episodes sets how many live "
+                              "at once); remove it")
+        path = cfg.source_path(environment)
+        if not path.is_file() or path.suffix != ".py":
+            raise ConfigError(f"{where.at('environment', 'source')}: environment {environment.name!r}: source "
+                              f"{path} is not a .py file (relative to the config file's directory {cfg.base_dir})")
+        class_stub_from_source(path, environment.function_name)  # its tools can be read (the same check as at start)
 
 
 def load_train_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:

@@ -160,6 +160,7 @@ def train(
     sandboxes = RewardSandboxes(cfg, backend=backend)
     record = RunRecordCallback(sandboxes)
     tool_sandboxes: Optional[RewardSandboxes] = None
+    environment = None
     try:
         # On each node the local rank 0 builds the images first; that node's other ranks then find them cached.
         # (Images live in each node's engine, so every node builds its own, once.) Ranks do not share containers.
@@ -183,12 +184,20 @@ def train(
 
             with state.local_main_process_first():
                 tool_sandboxes, tools = tools_from_config(cfg, cfg.tools, backend=backend)
+        environment_factory = None
+        if cfg.environment is not None:
+            from ..environments import environment_from_config
+
+            with state.local_main_process_first():
+                environment = environment_from_config(cfg, cfg.environment, backend=backend)
+            environment_factory = environment.factory
         model, tokenizer = load_model(cfg.model)
         peft_config = LoraConfig(**{"task_type": "CAUSAL_LM", **cfg.lora}) if cfg.lora is not None else None
         names = [r.name for r in sandboxes.rewards]
         trainer = GRPOTrainer(
-            model=model, processing_class=tokenizer, reward_funcs=sandboxes.rewards, args=args,
+            model=model, processing_class=tokenizer, reward_funcs=list(sandboxes.rewards), args=args,
             train_dataset=train_ds, eval_dataset=eval_ds, peft_config=peft_config, tools=tools,
+            environment_factory=environment_factory,
             callbacks=[record, RewardReloadCallback(sandboxes, reward_log, on_reload=record.new_version),
                        RewardPlotCallback(output_dir / "rewards.png", names), *callbacks],
         )
@@ -207,6 +216,8 @@ def train(
         sandboxes.stop()
         if tool_sandboxes is not None:
             tool_sandboxes.stop()
+        if environment is not None:
+            environment.stop()
 
 
 def _train_in_process(cfg: TrainConfig, args, train_ds, eval_ds, state, callbacks) -> TrainResult:
@@ -218,11 +229,13 @@ def _train_in_process(cfg: TrainConfig, args, train_ds, eval_ds, state, callback
     log.warning("rewards run IN PROCESS: no sandbox, no isolation, no timeouts or fallbacks (--in-process)")
     reward_funcs = in_process_rewards(cfg)
     tools = [load_function(tool, cfg.source_path(tool)) for tool in cfg.tools] or None
+    environment_factory = None if cfg.environment is None else \
+        load_function(cfg.environment, cfg.source_path(cfg.environment))
     model, tokenizer = load_model(cfg.model)
     peft_config = LoraConfig(**{"task_type": "CAUSAL_LM", **cfg.lora}) if cfg.lora is not None else None
     trainer = GRPOTrainer(
         model=model, processing_class=tokenizer, reward_funcs=reward_funcs, args=args, train_dataset=train_ds,
-        eval_dataset=eval_ds, peft_config=peft_config, tools=tools,
+        eval_dataset=eval_ds, peft_config=peft_config, tools=tools, environment_factory=environment_factory,
         callbacks=[RewardPlotCallback(cfg.output_dir / "rewards.png", [f.__name__ for f in reward_funcs]),
                    *callbacks],
     )

@@ -58,3 +58,64 @@ def test_a_tools_settings_and_signature_are_checked_before_anything_starts(tmp_p
     (tmp_path / "tools.py").write_text("import numpy\n\ndef add(a: numpy.ndarray) -> int:\n    return 0\n")
     with pytest.raises(ConfigError, match=r"tools\.py:3: the type hint 'numpy\.ndarray' names something other"):
         load_train_config(path)
+
+
+ADDER = '''
+class Adder:
+    """Adds; its reward counts the calls whose sum was even."""
+
+    def reset(self, **kwargs) -> None:
+        self.even, self.calls = 0, 0
+
+    def add(self, a: int, b: int) -> int:
+        """Adds two numbers.
+
+        Args:
+            a: the first number
+            b: the second number
+        """
+        self.calls += 1
+        if (a + b) % 2:
+            raise ValueError(f"{a} + {b} is odd, which this tool refuses")
+        self.even += 1
+        return a + b
+
+    def get_reward(self) -> float:
+        return self.even + self.calls / 10
+'''
+
+
+def test_an_environment_in_a_config_trains_identically_sandboxed_and_in_process(tmp_path, tiny_tool_model,
+                                                                                docker_client, base_image):
+    environment = {"name": "adder", "source": "adder.py", "function": "Adder", "timeout_s": 5, "max_episodes": 16}
+    path = _config(tmp_path, base_image, tiny_tool_model, tools=[], environment=environment)
+    (tmp_path / "adder.py").write_text(ADDER)
+    boxed = _logged(train(path))
+    plain = _logged(train(path, in_process=True))
+    assert boxed == plain
+    assert sum(step["tools/call_frequency"] for step in boxed) > 0
+    assert sum(step["tools/failure_frequency"] for step in boxed) > 0
+    assert any(step["rewards/Adder/mean"] > 0 for step in boxed)  # the episodes' state reached get_reward
+
+
+def test_an_environments_class_and_settings_are_checked_before_anything_starts(tmp_path, tiny_tool_model,
+                                                                               base_image):
+    environment = {"name": "adder", "source": "adder.py", "function": "Adder"}
+    path = _config(tmp_path, base_image, tiny_tool_model, environment={**environment, "workers": 4})
+    (tmp_path / "adder.py").write_text(ADDER)
+    with pytest.raises(ConfigError, match=r"config\.yaml:\d+: workers are fixed for an environment"):
+        load_train_config(path)
+    path = _config(tmp_path, base_image, tiny_tool_model, environment={**environment, "function": "Missing"})
+    with pytest.raises(ConfigError, match=r"adder\.py: no top-level `class Missing`"):
+        load_train_config(path)
+
+
+def test_the_agent_example_trains_with_its_environment_sandboxed(tmp_path, tiny_tool_model, docker_client,
+                                                                 base_image):
+    config = ROOT / "examples" / "agent" / "config.yaml"
+    cfg = load_train_config(config, [f"--model.name_or_path={tiny_tool_model}", "--grpo.max_steps=1",
+                                     f"--output_dir={tmp_path / 'out'}",
+                                     f"--sandbox.docker.base_image={base_image}"])
+    result = train(cfg)
+    logged = _logged(result)
+    assert len(logged) == 1 and "rewards/CodeEnv/mean" in logged[0] and "rewards/brevity/mean" in logged[0]
