@@ -14,6 +14,7 @@ import pytest
 
 from rewardbox import ToolError, sandboxed_environment
 from rewardbox.environments import end_episode
+from tests.docker.probes import processes_of_my_uid
 from tests.docker.test_tools import act
 
 
@@ -32,7 +33,7 @@ class Episode:
         """Reports this episode's secret and what others left."""
         import os
 
-        me, found = os.getuid(), []
+        found = []
         if Episode.planted:
             found.append(f"class state {Episode.planted}")
         if os.environ.get("PLANTED"):
@@ -41,15 +42,7 @@ class Episode:
             left = [name for name in os.listdir(where) if name != f"{self.secret}.txt"]
             if left:
                 found.append(f"files in {where}: {sorted(left)}")
-        for pid in os.listdir("/proc"):
-            if pid.isdigit() and int(pid) not in (os.getpid(), os.getppid()):
-                try:
-                    with open(f"/proc/{pid}/status") as f:
-                        status = f.read()
-                except OSError:
-                    continue
-                if f"Uid:\t{me}\t" in status and "State:\tZ" not in status:
-                    found.append(f"process {pid}")
+        found += processes_of_my_uid()
         with open(f"/tmp/{self.secret}.txt", "w") as f:  # its own file: it must find it again, and only it
             f.write(self.secret)
         return {"secret": self.secret, "found": found}

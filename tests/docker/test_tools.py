@@ -17,6 +17,7 @@ import pytest
 
 from rewardbox import ToolError, sandboxed_tools
 from rewardbox.wire import Status
+from tests.docker.probes import processes_of_my_uid
 
 STATE: list = []  # module state a call could try to leave for the next one
 
@@ -29,7 +30,7 @@ def inspect_and_mark(tag: str) -> dict:
     """
     import os
 
-    me, found = os.getuid(), []
+    found = []
     if STATE:
         found.append(f"module state {STATE}")
     if os.environ.get("PLANTED"):
@@ -37,15 +38,7 @@ def inspect_and_mark(tag: str) -> dict:
     for where in ("/tmp", "."):
         if os.listdir(where):
             found.append(f"files in {where}: {sorted(os.listdir(where))}")
-    for pid in os.listdir("/proc"):
-        if pid.isdigit() and int(pid) not in (os.getpid(), os.getppid()):
-            try:
-                with open(f"/proc/{pid}/status") as f:
-                    status = f.read()
-            except OSError:
-                continue
-            if f"Uid:\t{me}\t" in status and "State:\tZ" not in status:
-                found.append(f"process {pid}")
+    found += processes_of_my_uid()
     STATE.append(tag)
     os.environ["PLANTED"] = tag
     with open(f"/tmp/{tag}", "w") as f:

@@ -4,6 +4,7 @@ checked before anything starts."""
 
 from __future__ import annotations
 
+import inspect
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import yaml
 from rewardbox import ConfigError
 from rewardbox.trainer import load_train_config, train
 from tests.conftest import ROOT
+from tests.trainer.test_tools_trainer import Adder
 
 EXAMPLE = ROOT / "examples" / "tools"
 
@@ -60,29 +62,7 @@ def test_a_tools_settings_and_signature_are_checked_before_anything_starts(tmp_p
         load_train_config(path)
 
 
-ADDER = '''
-class Adder:
-    """Adds; its reward counts the calls whose sum was even."""
-
-    def reset(self, **kwargs) -> None:
-        self.even, self.calls = 0, 0
-
-    def add(self, a: int, b: int) -> int:
-        """Adds two numbers.
-
-        Args:
-            a: the first number
-            b: the second number
-        """
-        self.calls += 1
-        if (a + b) % 2:
-            raise ValueError(f"{a} + {b} is odd, which this tool refuses")
-        self.even += 1
-        return a + b
-
-    def get_reward(self) -> float:
-        return self.even + self.calls / 10
-'''
+ADDER = inspect.getsource(Adder)  # the environment of the script-level test, as a file
 
 
 def test_an_environment_in_a_config_trains_identically_sandboxed_and_in_process(tmp_path, tiny_tool_model,
