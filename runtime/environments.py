@@ -166,35 +166,49 @@ class EnvironmentProxy:
         environment's ``reset(**kwargs)`` there. Returns what it returns. Never raises: an episode that cannot start
         fails its calls, and its ``get_reward`` returns the fallback."""
         episodes = self._episodes
+        try:
+            json.dumps(kwargs, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            return self._refuse(f"its episode could not start: reset() takes JSON values as arguments ({e})")
         previous, self._episode = self._episode, ""
         episodes.live.discard(previous)
+        self._gone = ""
         if len(episodes.live) >= episodes.max_episodes:
-            self._gone = (f"more than max_episodes={episodes.max_episodes} episodes of {episodes.name} are live at "
-                          "once (TRL keeps one per rollout in flight): raise max_episodes")
-            log.error("environment %s: %s", episodes.name, self._gone)
-            return None
+            self._episode = previous
+            return self._refuse(f"more than max_episodes={episodes.max_episodes} episodes of {episodes.name} are "
+                                "live at once (TRL keeps one per rollout in flight): raise max_episodes")
+        # An instance keeps to one sandbox (its previous episode's end rides on the next start), but for one that
+        # cannot be reached: its episodes are gone with it.
+        replica = self._replica or episodes.replica()
         why = ""
         for attempt in range(RESET_ATTEMPTS):
-            episode, replica = uuid.uuid4().hex, episodes.replica()
+            episode = uuid.uuid4().hex
             status, value, error = episodes.loop.run(
                 episodes.call(replica, episode, "reset", kwargs, start=True, end=previous))
-            previous = ""  # ended with the first attempt that reached the sandbox
             if status is not Status.UNAVAILABLE:
-                self._episode, self._replica, self._gone = episode, replica, ""
+                self._episode, self._replica = episode, replica
                 episodes.live.add(episode)
                 if status is Status.OK:
                     return value
                 log.warning("environment %s: reset() failed: %s", episodes.name, self._fail("reset", status, error))
                 return None
-            why = error
+            why, previous, replica = error, "", episodes.replica()
             time.sleep(0.2 * 2 ** attempt)
         self._gone = f"its episode could not start: {why}"
         log.error("environment %s: %s", episodes.name, self._gone)
         return None
 
+    def _refuse(self, why: str) -> None:
+        """A reset that starts no episode: the last one ends all the same, and the instance's calls say ``why``."""
+        self._end()
+        self._gone = why
+        log.error("environment %s: %s", self._episodes.name, why)
+        return None
+
     def _end(self) -> None:
         """Ends the live episode, if any, without starting another (:func:`end_episode`)."""
         episode, self._episode = self._episode, ""
+        self._episodes.live.discard(episode)
         if episode and self._replica is not None:
             self._episodes.loop.run(self._episodes.end(self._replica, episode))
 
@@ -239,11 +253,17 @@ class EnvironmentProxy:
             return default
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            log.warning("environment %s: get_reward returned %r, not a finite number: %r instead",
+        number = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            try:
+                number = float(value)  # an int past a float's range raises
+            except OverflowError:
+                pass
+        if number is None or not math.isfinite(number):
+            log.warning("environment %s: get_reward returned %.200r, not a finite number: %r instead",
                         self._episodes.name, value, default)
             return default
-        return float(value)
+        return number
 
 
 def end_episode(instance: EnvironmentProxy) -> None:
@@ -282,8 +302,16 @@ def proxy_class(cls: type, episodes: _Episodes) -> type:
         if not name.startswith("_") and name not in SPECIAL:
             namespace[name] = _method(name, function)
     original_reset = getattr(cls, "reset")
-    namespace["reset"] = functools.wraps(original_reset)(
-        lambda self, *args, **kwargs: EnvironmentProxy.reset(self, **_named(original_reset, args, kwargs)))
+    def reset(self: EnvironmentProxy, *args: Any, **kwargs: Any) -> Any:
+        if args:  # TRL passes the row by keyword; another caller's positional arguments are named by the signature
+            try:
+                kwargs = dict(inspect.signature(original_reset).bind_partial(None, *args, **kwargs).arguments)
+            except TypeError as e:
+                return self._refuse(f"its episode could not start: reset(): {e}")
+            kwargs.pop(next(iter(inspect.signature(original_reset).parameters)), None)  # self
+        return EnvironmentProxy.reset(self, **kwargs)
+
+    namespace["reset"] = functools.wraps(original_reset)(reset)
     original_reward = getattr(cls, "get_reward", None)
     if callable(original_reward):
         namespace["get_reward"] = functools.wraps(original_reward)(
@@ -299,15 +327,6 @@ async def _get_reward_async(self: EnvironmentProxy) -> Optional[float]:
 
 def _get_reward_sync(self: EnvironmentProxy) -> Optional[float]:
     return self._episodes.loop.run(self._reward())
-
-
-def _named(function: Callable, args: tuple, kwargs: dict) -> dict:
-    """A call's arguments by name (TRL passes the dataset row by keyword; positional ones are named here)."""
-    if not args:
-        return kwargs
-    bound = inspect.signature(function).bind_partial(None, *args, **kwargs).arguments
-    bound.pop(next(iter(inspect.signature(function).parameters)), None)
-    return dict(bound)
 
 
 @contextlib.contextmanager

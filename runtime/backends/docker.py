@@ -235,7 +235,9 @@ class DockerBackend:
             network_mode=self.settings.network_mode if reward.network else "none",
             tmpfs_size=self.settings.tmpfs_size,
             tmpfs_inodes=self.settings.tmpfs_inodes,
-            shared_memory=reward.isolation == "worker",
+            # /dev/shm for rewards whose samples share processes anyway; never for an environment, whose episodes
+            # are processes of their own (worker mode) that a shared /dev/shm would connect (red team of #41).
+            shared_memory=reward.isolation == "worker" and reward.style != "environment",
             runtime=self.settings.runtime,
             default_warm=plan.default_warm,
             sample_nproc=plan.sample_nproc,

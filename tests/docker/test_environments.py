@@ -38,7 +38,9 @@ class Episode:
             found.append(f"class state {Episode.planted}")
         if os.environ.get("PLANTED"):
             found.append("environment")
-        for where in ("/tmp", "."):
+        for where in ("/tmp", ".", "/dev/shm"):
+            if not os.path.isdir(where):
+                continue  # no /dev/shm: an environment's container has no IPC namespace of its own to share
             left = [name for name in os.listdir(where) if name != f"{self.secret}.txt"]
             if left:
                 found.append(f"files in {where}: {sorted(left)}")
@@ -59,6 +61,10 @@ class Episode:
             return repr([open(p).read() for p in glob.glob("/tmp/*.txt") + glob.glob("/tmp/*/*.txt")])
         if action == "plant":
             Episode.planted.append("hostile")
+        if action == "shared memory":  # a file every episode could see (red team: /dev/shm was shared)
+            with open("/dev/shm/planted", "w") as f:
+                f.write("hostile")
+            return "planted"
         return act(action)
 
     def get_reward(self) -> float:
@@ -93,7 +99,7 @@ async def _with_innocents(innocents, hostile, action):
 
 
 @pytest.mark.parametrize("action", ["loop", "fork bomb", "memory", "kill -1", "leave behind", "plant", "steal",
-                                    "host files", "environment"])
+                                    "host files", "environment", "shared memory"])
 def test_a_hostile_episode_reaches_no_other_episode_live_or_next(factory, action):
     innocents = [factory() for _ in range(INNOCENTS)]
     for i, env in enumerate(innocents):

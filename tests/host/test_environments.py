@@ -70,7 +70,7 @@ class Counter:
         raise AssertionError("never a tool")
 
     def get_reward(self) -> float:
-        return float(self.n)
+        return 10 ** 400 if self.n == 400 else float(self.n)  # 400: a number past a float's range
 
 
 class AsyncReward(Counter):
@@ -159,3 +159,20 @@ def test_several_environments_by_name_and_bad_factories():
     with pytest.raises(ConfigError, match=r"'isolation', 'workers' are fixed for an environment"):
         with sandboxed_environment(Counter, sandbox=LOCAL, workers=3, isolation="sample"):
             pass
+
+
+def test_hostile_or_odd_resets_and_rewards_never_raise_nor_leak_a_process():
+    import datetime
+
+    with sandboxed_environment(Counter, sandbox=LOCAL, max_episodes=2, default_score=-2.0) as factory:
+        env, other = factory(), factory()
+        other.reset()
+        for _ in range(4):  # each would hold a process no one ends, were its last episode not ended
+            env.reset()
+            assert env.reset(when=datetime.date(2026, 1, 1)) is None  # not JSON: no episode, the last one ended
+            with pytest.raises(ToolError, match=r"reset\(\) takes JSON values as arguments"):
+                run(env.bump(by=1))
+        assert env.reset("a", "b", "c") is None  # positional arguments that do not fit: no episode, no exception
+        assert env.reset(offset=400) == "counting from 400"
+        assert env.get_reward() == -2.0  # 10**400: not a float; the fallback
+        assert run(other.bump(by=1)) == 1
