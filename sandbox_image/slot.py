@@ -237,8 +237,6 @@ def _internal_error(n: int) -> tuple:
 
 def _handle(loaded: worker.Loaded, fd: int) -> None:
     """isolation: worker: one answer for the request's samples."""
-    import asyncio  # preloaded by the template of an async function (see worker)
-
     sock = socket.socket(fileno=fd)
     sock.setblocking(True)
     sock.sendall(stream.Marker.STARTED)
@@ -248,6 +246,8 @@ def _handle(loaded: worker.Loaded, fd: int) -> None:
     try:
         trainer_state = trainer_state_from_dict(state)
         if loaded.info.is_async:
+            import asyncio  # preloaded by the template of an async function (see worker); a sync one never needs it
+
             result = asyncio.run(worker.score_async(loaded, batch, timeout_s, trainer_state))
         else:
             result = worker.score(loaded, batch, timeout_s, trainer_state)

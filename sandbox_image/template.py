@@ -130,7 +130,7 @@ class Template:
             "is_async": info.is_async, "accepted_keywords": list(info.accepted_keywords),
             "accepts_var_keywords": info.accepts_var_keywords, "signature": info.signature,
             "required_keywords": list(info.required_keywords)}, "forks": self.forks})
-        if info.is_async:
+        if info.is_async or (self.episodes and _has_coroutines(self.loaded.fn)):
             import asyncio  # noqa: F401 - here, once, for every slot process (sync rewards never load it)
         if any(s.spec.uid is not None for s in self.slots):
             seccomp.prepare()
@@ -432,6 +432,15 @@ class Template:
             s.served = True
             if self.one_request:
                 s.ready = False
+
+
+def _has_coroutines(factory) -> bool:
+    """Whether an environment's class (or a partial of it) has async methods: its episodes' processes then run them
+    on an event loop (:func:`.worker._episode_call`), whose module is loaded here once rather than in each."""
+    import inspect
+
+    cls = getattr(factory, "func", factory)
+    return inspect.isclass(cls) and any(inspect.iscoroutinefunction(f) for _, f in inspect.getmembers(cls))
 
 
 def run(config: WorkerConfig, slot_specs: list[slots.SlotSpec], server: socket.socket) -> None:
