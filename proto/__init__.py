@@ -13,6 +13,7 @@ imports them: code that needs the protobuf stubs imports ``rewardbox.wire.pb`` i
 
 from .constants import (
     BATCH_KEYWORDS,
+    CALL_STYLES,
     DEFAULT_CONCURRENCY,
     DEFAULT_MAX_LOG_BYTES,
     DEFAULT_WARM,
@@ -35,6 +36,7 @@ from .trainer_state import TrainerState, trainer_state_from_dict, trainer_state_
 
 __all__ = [
     "BATCH_KEYWORDS",
+    "CALL_STYLES",
     "OPTIONAL_KEYWORDS",
     "TRAINER_OBJECTS",
     "STYLE_NAMES",

@@ -19,6 +19,8 @@ HARD_TIMEOUT_MARGIN_S = 2.0
 # The Style enum of reward.proto (STYLE_<NAME>) by number (tool, environment: rewardbox.sandboxed_tools and
 # rewardbox.sandboxed_environment).
 STYLE_NAMES = {1: "sample", 2: "batch", 3: "tool", 4: "environment"}
+# Styles whose calls answer a result (Score.result_json), not a score.
+CALL_STYLES = ("tool", "environment")
 
 # Per-reward defaults: the config's defaults, and what the server uses when a Load request leaves a field at 0.
 DEFAULT_WORKERS = 2

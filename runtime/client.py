@@ -24,7 +24,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 from .errors import BackendError, TransportError
 from .replica import Replica
 from .spec import RewardSpec, SandboxSettings
-from .wire import HARD_TIMEOUT_MARGIN_S, MAX_MESSAGE_BYTES, Outcome, Status
+from .wire import CALL_STYLES, HARD_TIMEOUT_MARGIN_S, MAX_MESSAGE_BYTES, Outcome, Status
 from .wire.pb import reward_pb2 as pb
 
 log = logging.getLogger("rewardbox")
@@ -212,7 +212,7 @@ class RewardClient:
                     await self._attempt(first, share, trainer_state)
         except Exception as e:  # noqa: BLE001 - training must get a score for every sample, whatever happened
             share.last_error = f"sandbox unavailable after {share.attempts} attempt(s): {e}"
-            if self.reward.style in ("tool", "environment"):
+            if self.reward.style in CALL_STYLES:
                 log.warning("tool %s: a call could not reach its sandbox: %s", self.reward.name, share.last_error)
             else:
                 log.warning("reward %s: %d samples fall back to default_score=%r: %s", self.reward.name,
@@ -384,7 +384,7 @@ class RewardClient:
         if len(reply.scores) != len(todo):
             raise BackendError(f"sandbox {replica.name} returned {len(reply.scores)} scores for {len(todo)} samples")
         outcomes, isfinite, shared = share.outcomes, math.isfinite, replica.shared
-        tool = self.reward.style in ("tool", "environment")
+        tool = self.reward.style in CALL_STYLES
         deferred, unscored = [], 0
         if share.details:
             for item, score in zip(todo, reply.scores):

@@ -39,6 +39,7 @@ from .replica import Replica
 from .session import RewardSandboxes
 from .shipping import Shipper, where
 from .spec import RewardSpec, Where, parse_config
+from .client import checked
 from .tools import ToolError, ended_how, result_of
 from .wire import HARD_TIMEOUT_MARGIN_S, Status
 from .wire.pb import reward_pb2 as pb
@@ -59,6 +60,13 @@ def pids_for(max_episodes: int) -> int:
     from .backends.docker import MIN_SLOT_PROCESSES, OWN_PROCESSES
 
     return max(256, 2 * max_episodes + 2 * max_episodes * MIN_SLOT_PROCESSES + OWN_PROCESSES)
+
+
+def _episode_settings(settings: dict, max_episodes: int) -> dict:
+    """An environment's reward settings: the user's, with what an environment fixes (one process per episode, as many
+    as ``max_episodes``) and a process limit that fits them where the user set none."""
+    return {"pids": pids_for(max_episodes), **settings, "style": "environment", "isolation": "worker",
+            "workers": max_episodes}
 
 
 def _environment_class(factory: Any, label: str) -> type:
@@ -84,13 +92,6 @@ class _Loop:
         self.thread.start()
 
     def run(self, coroutine) -> Any:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            pass
-        else:
-            if asyncio.get_running_loop() is self.loop:
-                raise RuntimeError("a sync environment call from the environment's own loop")
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
     def close(self) -> None:
@@ -136,15 +137,13 @@ class _Episodes:
             return Status.UNAVAILABLE, None, f"the sandbox could not be reached: {e}"
         if len(reply.scores) != 1:
             return Status.INVALID, None, f"the sandbox answered {len(reply.scores)} results for one call"
-        score = reply.scores[0]
-        if score.status == Status.OK.wire:
-            try:
-                return Status.OK, result_of(score.result_json), ""
-            except ValueError as e:
-                return Status.INVALID, None, str(e)
-        if score.status == Status.UNAVAILABLE.wire:
-            return Status.INVALID, None, "the sandbox answered status unavailable, which only the host sets"
-        return Status.from_wire(score.status), None, score.error
+        outcome = checked(reply.scores[0], tool=True)  # as every sandboxed call's answer is re-checked on the host
+        if outcome.status is not Status.OK:
+            return outcome.status, None, outcome.error
+        try:
+            return Status.OK, result_of(str(outcome.value)), ""
+        except ValueError as e:
+            return Status.INVALID, None, str(e)
 
 
 class EnvironmentProxy:
@@ -222,11 +221,15 @@ class EnvironmentProxy:
         return ToolError(f"rewardbox: environment {name!r}: {method}() {ended_how(status)}: {error}",
                          f"{name}.{method}", status)
 
+    def _no_episode(self, method: str) -> ToolError:
+        """A call with no live episode to go to: none started yet, or it ended (``_gone`` says how)."""
+        why = f"{self._gone}; reset() starts a new one" if self._gone else "no episode: reset() starts one"
+        return ToolError(f"rewardbox: environment {self._episodes.name!r}: {why}", f"{self._episodes.name}.{method}",
+                         Status.CRASH)
+
     async def _call(self, method: str, args: dict) -> Any:
         if not self._episode or self._gone:
-            why = f"{self._gone}; reset() starts a new one" if self._gone else "no episode: reset() starts one"
-            raise ToolError(f"rewardbox: environment {self._episodes.name!r}: {why}", f"{self._episodes.name}."
-                            f"{method}", Status.CRASH)
+            raise self._no_episode(method)
         assert self._replica is not None  # set with the episode
         loop = asyncio.get_running_loop()
         lock = self._order.get(loop)
@@ -235,8 +238,7 @@ class EnvironmentProxy:
             lock = self._order[loop] = asyncio.Lock()
         async with lock:
             if self._gone:  # a call before this one ended the episode
-                raise ToolError(f"rewardbox: environment {self._episodes.name!r}: {self._gone}; reset() starts a new "
-                                "one", f"{self._episodes.name}.{method}", Status.CRASH)
+                raise self._no_episode(method)
             status, value, error = await self._episodes.call(self._replica, self._episode, method, args)
         if status is Status.OK:
             return value
@@ -376,8 +378,8 @@ def sandboxed_environment(factory: Union[Callable, dict], *, sandbox: Optional[d
                 shipment = shipper.ship(made, "environment", label, list(settings.get("packages", [])))
                 source = Path(folder) / f"{name}.py"
                 source.write_text(shipment.source)
-                entry = {"pids": pids_for(max_episodes), **settings, "name": name, "source": str(source), "function": "environment",
-                         "style": "environment", "isolation": "worker", "workers": max_episodes,
+                entry = {**_episode_settings(settings, max_episodes), "name": name, "source": str(source),
+                         "function": "environment",
                          "packages": shipment.packages if _installs(sandbox, backend) else settings.get("packages", [])}
                 _validate(entry, label)
                 classes.append((key, cls))
@@ -427,10 +429,8 @@ def environment_from_config(config, spec: EnvironmentSpec, backend=None) -> Star
     if "reset" not in vars(cls):
         raise ConfigError(f"{config.source_path(spec)}: class {cls.__name__} has no reset() method, which TRL calls "
                           "at the start of every rollout")
-    reward = RewardSpec.model_validate({
-        **spec.model_dump(exclude={"max_episodes"}, exclude_unset=True), "style": "environment",
-        "isolation": "worker", "workers": spec.max_episodes, "pids": spec.pids if "pids" in spec.model_fields_set
-        else pids_for(spec.max_episodes)})
+    reward = RewardSpec.model_validate(
+        _episode_settings(spec.model_dump(exclude={"max_episodes"}, exclude_unset=True), spec.max_episodes))
     sandboxes = RewardSandboxes(config.model_copy(update={"rewards": [reward]}), backend=backend)
     loop = _Loop()
     try:

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import itertools
 import logging
 import socket
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from ..wire import HARD_TIMEOUT_MARGIN_S, Outcome, Status, TrainerState
 from . import codec, cpu_wait, memory_use, stream
@@ -326,8 +327,7 @@ class FunctionPool:
         """
         if not len(batch):
             return BatchResult()
-        self.in_flight += 1
-        try:
+        with self._busy():
             state_dict = None if state is None else dict(vars(state))
             if self.style == "batch":
                 return await self._score_call(batch, timeout_s, state_dict)
@@ -346,11 +346,6 @@ class FunctionPool:
                 done, failed = await self._again(batch, i, timeout_s, state_dict)
                 merged.put(i, done if done is not None else failed)
             return merged
-        finally:
-            self.in_flight -= 1
-            if self.retiring and self.in_flight == 0:
-                self.close()
-
     async def call_episode(self, batch: SampleBatch, timeout_s: float, episode: str, start: bool) -> BatchResult:
         """One call of an episode (style environment), in the slot process that holds the episode (a fresh one when
         ``start``): the template routes it (:meth:`.template.Template._slot_for`). A call to an episode whose process
@@ -359,16 +354,22 @@ class FunctionPool:
         Raises:
             PoolUnavailable: the function's processes are gone.
         """
-        self.in_flight += 1
-        try:
+        with self._busy():
             done, failed = await self._send(batch, timeout_s, None, self._exchange,
                                             route={"episode": episode, "start": start})
-            result = BatchResult()
-            if done is not None:
-                result.add(done)
-            else:
-                result.add_failed(failed)
-            return result
+        result = BatchResult()
+        if done is not None:
+            result.add(done)
+        else:
+            result.add_failed(failed)
+        return result
+
+    @contextlib.contextmanager
+    def _busy(self) -> Iterator[None]:
+        """A call in flight: a retiring version closes once its last one is done."""
+        self.in_flight += 1
+        try:
+            yield
         finally:
             self.in_flight -= 1
             if self.retiring and self.in_flight == 0:

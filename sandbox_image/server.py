@@ -33,6 +33,7 @@ from ..wire import (
     DEFAULT_WARM,
     DEFAULT_WORKERS,
     GRPC_OPTIONS,
+    CALL_STYLES,
     SERVICE_NAME,
     STYLE_NAMES,
     VERSION,
@@ -263,7 +264,7 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
         except PoolUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         in_scores = False
-        _results(result, fp.style in ("tool", "environment"))
+        _results(result, fp.style in CALL_STYLES)
         if request.sample_details:
             n = len(result.values)
             own = len(result.sample_logs) == n and fp.style != "batch"  # each sample's output is its own

@@ -30,13 +30,12 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ..wire import (BATCH_KEYWORDS, OPTIONAL_KEYWORDS, TRAINER_OBJECTS, Outcome, Status, TrainerState,
+from ..wire import (BATCH_KEYWORDS, CALL_STYLES, OPTIONAL_KEYWORDS, TRAINER_OBJECTS, Outcome, Status, TrainerState,
                     decode_columns, example_of)
 from . import cpu_wait
 from .records import FunctionInfo, SampleBatch, WorkerConfig
 
 MAX_ERROR_CHARS = 4000
-_CALLS = ("tool", "environment")  # styles whose calls answer a result, not a score (:func:`tool_result`)
 # The sandbox's own uses, bound at import: a reward that replaces signal's functions does not change its timer.
 _signal_handler, _setitimer, _getsignal = _signal.signal, _signal.setitimer, _signal.getsignal
 
@@ -164,7 +163,7 @@ def resolve_function(config: WorkerConfig, module: types.ModuleType) -> Loaded:
     named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     line = getattr(getattr(fn, "__code__", None), "co_firstlineno", None)
     where = f"{config.filename}:{line}" if line else config.filename
-    if config.style in _CALLS:  # a tool, fn(**arguments), or an environment's factory: any signature will do
+    if config.style in CALL_STYLES:  # a tool, fn(**arguments), or an environment's factory: any signature will do
         info = FunctionInfo(_is_async(fn), (), var_kw, f"{name}{sig}", ())
         return Loaded(fn, info, config)
     if config.style == "sample":
@@ -327,7 +326,7 @@ def _guarded(make: Callable[[], Outcome]) -> Outcome:
 def _outcome(loaded: Loaded, value: Any) -> Outcome:
     """What a sample's call returned, checked: a reward's score, or a tool's result (whose ``str()`` may raise:
     its text, as a tool's own error)."""
-    if loaded.config.style in _CALLS:
+    if loaded.config.style in CALL_STYLES:
         try:
             return tool_result(value)
         except BaseException as e:  # noqa: BLE001 - the value's own code raised
@@ -439,7 +438,7 @@ def _run_sync(loaded: Loaded, batch: SampleBatch, timeout_s: Optional[float], st
     if loaded.config.style == "batch":
         value, failed = _timed(lambda: loaded.fn(**_batch_kwargs(loaded, batch, state)), timeout_s)
         return [failed] * len(batch) if failed else _guarded_batch(value, len(batch))
-    tool = loaded.config.style in _CALLS
+    tool = loaded.config.style in CALL_STYLES
     outcomes = []
     for i in range(len(batch)):
         value, failed = _timed(lambda: _sample_call(loaded, batch, i, state), timeout_s, tool)
@@ -497,7 +496,7 @@ async def _run_async(loaded: Loaded, batch: SampleBatch, timeout_s: Optional[flo
         value, failed = await _await_bounded(coro, timeout_s)
         return [failed] * len(batch) if failed else _guarded_batch(value, len(batch))
     gate = asyncio.Semaphore(loaded.config.concurrency)
-    tool = loaded.config.style in _CALLS
+    tool = loaded.config.style in CALL_STYLES
 
     async def one(i: int) -> Outcome:
         async with gate:
@@ -549,7 +548,7 @@ def score_sample(loaded: Loaded, batch: SampleBatch, i: int, timeout_s: Optional
     token = _SINK.set(sink)
     try:
         value, failed = _timed(lambda: _sample_call(loaded, batch, i, state), timeout_s,
-                               loaded.config.style in _CALLS)
+                               loaded.config.style in CALL_STYLES)
         outcome = failed or _outcome(loaded, value)
     finally:
         _SINK.reset(token)

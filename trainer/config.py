@@ -24,7 +24,8 @@ class _Strict(BaseModel):
 
 
 class ModelSection(_Strict):
-    name_or_path: str = Field(default=BUILTIN_TINY, description="hub id, local path, or builtin:tiny / builtin:tiny-tools (offline)")
+    name_or_path: str = Field(default=BUILTIN_TINY, description="hub id, local path, or builtin:tiny / "
+                              "builtin:tiny-tools (offline)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     trust_remote_code: bool = False
     revision: Optional[str] = None

@@ -52,7 +52,8 @@ def values(kind: str) -> object:
 
 
 VALUES = {
-    "int": 7, "big": 10 ** 40, "float": 0.1, "negative zero": -0.0, "bool": True, "none": None, "str": "héllo \x00 ✓",
+    "int": 7, "big": 10 ** 40, "float": 0.1, "negative zero": -0.0, "bool": True, "none": None,
+    "str": "héllo \x00 ✓",
     "list": [1, "a", None, [2.5, False]], "dict": {"a": {"b": [1, {"c": None}]}, "z": 1, "é": "x"},
     "empty": {}, "tuple": (1, 2), "int key": {1: "a"}, "nan": float("nan"), "inf": float("inf"), "set": {3},
     "float of int": 1.0, "list with tuple": [(1, 2)], "bytes": b"\x00x", "object": object.__new__(type("Thing", (), {
