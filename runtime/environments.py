@@ -40,6 +40,7 @@ from .session import RewardSandboxes
 from .shipping import Shipper, where
 from .spec import RewardSpec, Where, parse_config
 from .client import checked
+from .tool_calls import CALLS
 from .tools import ToolError, ended_how, result_of
 from .wire import HARD_TIMEOUT_MARGIN_S, Status
 from .wire.pb import reward_pb2 as pb
@@ -289,7 +290,14 @@ def _method(name: str, original: Callable) -> Callable:
             except TypeError as e:
                 raise TypeError(f"{name}(): {e}") from None
             kwargs.pop(next(iter(signature.parameters)), None)  # self
-        return await self._call(name, kwargs)
+        started = time.monotonic()
+        try:
+            result = await self._call(name, kwargs)
+        except ToolError as e:
+            CALLS.note(name, kwargs, started, e.status, error=str(e))
+            raise
+        CALLS.note(name, kwargs, started, Status.OK, result=result)
+        return result
 
     return method
 

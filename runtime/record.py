@@ -28,7 +28,12 @@ Schema (version :data:`SCHEMA_VERSION`, in ``meta``):
   that sample alone (isolation ``sample``/``process``; "" where it ran with others), ``latency_s`` how long the
   reward took on it as its sandbox measured (the same isolation levels; batch style: the whole call; else NULL);
 - ``calls(rank, batch, reward, step, logs, latency_s, attempts)``: each reward call, with what it printed as a whole
-  and how long it took.
+  and how long it took;
+- ``tool_calls(completion_id, position, step, name, arguments, shown, status, error, latency_s)``: each tool call of
+  a completion (TRL's tools and environment methods), in the order made: ``arguments`` as JSON, ``shown`` what the
+  model was shown (the result, or ``{'error': ...}``; NULL for a call left unanswered), ``status`` how it ended
+  (``ok``, ``error``, ``timeout``, ``crash``, ...), ``error`` rewardbox's text for a call the sandbox ended (it names
+  the limit), ``latency_s`` the call's time on the host (sandboxed calls only: :mod:`rewardbox.tool_calls`).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from . import tool_calls
 from .samples import TRL_RESERVED
 
 log = logging.getLogger("rewardbox")
@@ -74,6 +80,10 @@ CREATE TABLE IF NOT EXISTS scores (
 CREATE TABLE IF NOT EXISTS calls (
     rank INTEGER NOT NULL, batch INTEGER NOT NULL, reward TEXT NOT NULL, step INTEGER NOT NULL, logs TEXT NOT NULL,
     latency_s REAL, attempts INTEGER, PRIMARY KEY (rank, batch, reward)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS tool_calls (
+    completion_id INTEGER NOT NULL REFERENCES completions(id), position INTEGER NOT NULL, step INTEGER NOT NULL,
+    name TEXT NOT NULL, arguments TEXT NOT NULL, shown TEXT, status TEXT NOT NULL, error TEXT, latency_s REAL,
+    PRIMARY KEY (completion_id, position)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS completions_step ON completions(step);
 CREATE INDEX IF NOT EXISTS completions_prompt ON completions(prompt_id, step);
 CREATE INDEX IF NOT EXISTS scores_status ON scores(reward, status, value);
@@ -265,7 +275,7 @@ class RunRecorder:
         reports = [parts[name][0] for name in self.names]
         rows = [[r.values[i] if i < len(r.values) else None for r in reports] for i in range(n)]
         totals, advantages = totals_and_advantages(rows, self.weights, self.group)
-        prompt_rows, completion_rows, score_rows = [], [], []
+        prompt_rows, completion_rows, score_rows, tool_rows = [], [], [], []
         for i in range(n):
             p_text, p_messages = _text(prompts[i])
             pid = prompt_id(p_text, p_messages)
@@ -278,6 +288,7 @@ class RunRecorder:
             cid = first_id + i
             completion_rows.append((cid, step, epoch, self.rank, batch, i, pid, c_text, c_messages,
                                     lengths[i] if lengths else None, totals[i], advantages[i], when))
+            tool_rows += [(cid, position, step, *rest) for position, *rest in tool_calls.record_rows(completions[i])]
             for name in self.names:
                 report, version = parts[name]
                 own = report.sample_logs[i] if i < len(report.sample_logs) else ""
@@ -291,3 +302,4 @@ class RunRecorder:
                              completion_rows)
         self._db.executemany("INSERT INTO scores VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", score_rows)
         self._db.executemany("INSERT OR REPLACE INTO calls VALUES (?, ?, ?, ?, ?, ?, ?)", call_rows)
+        self._db.executemany("INSERT INTO tool_calls VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", tool_rows)

@@ -153,16 +153,36 @@ class Record:
                 found.setdefault(row.pop("completion_id"), {})[row.pop("reward")] = row
         return found
 
+    def _tool_calls_of(self, ids: list) -> dict:
+        """Each completion's tool calls, in order (a record written before tool calls were recorded has none)."""
+        found: dict = {}
+        try:
+            for chunk in range(0, len(ids), 500):
+                part = ids[chunk:chunk + 500]
+                for row in self.rows("SELECT completion_id, name, arguments, substr(shown, 1, 2000) AS shown, status, "
+                                     "substr(error, 1, 2000) AS error, latency_s FROM tool_calls WHERE completion_id "
+                                     f"IN ({','.join('?' * len(part))}) ORDER BY completion_id, position",
+                                     tuple(part)):
+                    found.setdefault(row.pop("completion_id"), []).append(row)
+        except sqlite3.OperationalError:  # no such table
+            return {}
+        return found
+
+    def _with_scores(self, rows: list) -> list:
+        ids = [r["id"] for r in rows]
+        scores, tools = self._scores_of(ids), self._tool_calls_of(ids)
+        for r in rows:
+            r["scores"] = scores.get(r["id"], {})
+            r["tool_calls"] = tools.get(r["id"], [])
+        return rows
+
     def prompt(self, prompt_id: str) -> dict:
         prompt = self.rows("SELECT * FROM prompts WHERE id = ?", (prompt_id,))
         if not prompt:
             return {"error": f"no prompt {prompt_id!r} in this record"}
         completions = self.rows("SELECT id, step, epoch, rank, text, tokens, total, advantage FROM completions "
                                 "WHERE prompt_id = ? ORDER BY step, id", (prompt_id,))
-        scores = self._scores_of([c["id"] for c in completions])
-        for c in completions:
-            c["scores"] = scores.get(c["id"], {})
-        return {"prompt": prompt[0], "completions": completions}
+        return {"prompt": prompt[0], "completions": self._with_scores(completions)}
 
     def _filters(self, params: dict) -> tuple[str, tuple]:
         clauses: list[str] = []
@@ -201,10 +221,7 @@ class Record:
                          "substr(c.text, 1, 2000) AS text, c.tokens, c.total, c.advantage FROM completions c "
                          f"JOIN prompts p ON p.id = c.prompt_id {where} ORDER BY c.id DESC LIMIT ? OFFSET ?",
                          values + (limit, offset))
-        scores = self._scores_of([r["id"] for r in rows])
-        for r in rows:
-            r["scores"] = scores.get(r["id"], {})
-        return {"total": total, "rows": rows}
+        return {"total": total, "rows": self._with_scores(rows)}
 
     def logs(self, params: dict, offset: int = 0, limit: int = 50) -> dict:
         clauses, values = [], []
@@ -291,10 +308,7 @@ class Record:
             batch = cursor.fetchmany(500)
             if not batch:
                 return
-            rows = [dict(zip(names, r)) for r in batch]
-            scores = self._scores_of([r["id"] for r in rows])
-            for r in rows:
-                r["scores"] = scores.get(r["id"], {})
+            for r in self._with_scores([dict(zip(names, r)) for r in batch]):
                 yield (json.dumps(_clean(r), ensure_ascii=False, allow_nan=False) + "\n").encode()
 
 

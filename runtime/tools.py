@@ -33,6 +33,7 @@ import json
 import logging
 import math
 import tempfile
+import time
 import typing
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
@@ -43,6 +44,7 @@ from .errors import ConfigError
 from .session import RewardSandboxes
 from .shipping import Shipper, where
 from .spec import Where, parse_config
+from .tool_calls import CALLS
 from .wire import DEFAULT_WARM, Status
 from .wire.pb import reward_pb2 as pb
 
@@ -145,22 +147,29 @@ def _proxy(fn: Callable, name: str, client: RewardClient) -> Callable:
 
     @functools.wraps(fn)
     async def call(*args: Any, **kwargs: Any) -> Any:
-        sample = pb.Sample(columns_json=_arguments(fn, shown, args, kwargs))
+        arguments = _arguments(fn, shown, args, kwargs)
+        sample = pb.Sample(columns_json=arguments)
         loop = asyncio.get_running_loop()
         gate = gates.get(loop)
         if gate is None:
             for old in [k for k in gates if k.is_closed()]:
                 del gates[old]
             gate = gates[loop] = asyncio.Semaphore(limit)
+        started = time.monotonic()
         async with gate:
             report = await client.score([sample])
         status, value, error = report.statuses[0], report.values[0], report.errors[0] or ""
         if status is Status.OK:
             try:
-                return result_of(value)
+                result = result_of(value)
             except ValueError as e:
-                raise _failure(shown, Status.INVALID, str(e)) from None
-        raise _failure(shown, status, error)
+                status, error = Status.INVALID, str(e)
+            else:
+                CALLS.note(shown, json.loads(arguments), started, status, result=result)
+                return result
+        failure = _failure(shown, status, error)
+        CALLS.note(shown, json.loads(arguments), started, status, error=str(failure))
+        raise failure
 
     return call
 

@@ -50,6 +50,26 @@ function statusCell(score) {
   return cell;
 }
 
+// A completion's tool calls (TRL's tools and environment methods): how many, how many failed; each on hover.
+function toolsCell(calls) {
+  if (!calls || !calls.length) return el("td", {}, "-");
+  const failed = calls.filter((t) => t.status !== "ok").length;
+  const cell = el("td", { class: failed ? "status-error" : "status-ok" }, `${calls.length}${failed ? ` (${failed} failed)` : ""}`);
+  cell.title = calls.map((t) => `${t.name}(${t.arguments}): ${t.status}`).join("\n");
+  return cell;
+}
+
+function toolTable(calls) {
+  if (!calls || !calls.length) return null;
+  return el("table", { class: "data tool-calls" },
+    el("thead", {}, el("tr", {}, ...["tool call", "arguments", "status", "ms", "shown to the model"].map((h) => el("th", {}, h)))),
+    el("tbody", {}, ...calls.map((t) => el("tr", {}, el("td", {}, t.name), el("td", {}, el("pre", {}, t.arguments)),
+      el("td", { class: `status-${t.status}` }, t.status),
+      el("td", {}, t.latency_s === null || t.latency_s === undefined ? "-" : fmt(t.latency_s * 1000, 1)),
+      el("td", {}, el("pre", {}, t.shown === null || t.shown === undefined ? "(no result)" : t.shown),
+        t.error ? el("pre", { class: "status-error" }, t.error) : null)))));
+}
+
 function rewardNames() { return state.meta ? state.meta.rewards.map((r) => r.name) : []; }
 
 // ---- tabs ----------------------------------------------------------------------------------------------------
@@ -146,12 +166,12 @@ async function openPrompt(id, keepLeft = false) {
   renderCompare();
   const names = rewardNames();
   $("detail-table").tHead.replaceChildren(el("tr", {}, ...["id", "step", "epoch", "completion", ...names, "total",
-    "advantage", "tokens"].map((h) => el("th", {}, h))));
+    "advantage", "tokens", "tool calls"].map((h) => el("th", {}, h))));
   $("detail-table").tBodies[0].replaceChildren(...data.completions.map((c, index) => el("tr", {
     class: "clickable", onclick: () => { state.leftIndex = index; slider.value = String(index); renderCompare(); } },
   el("td", {}, c.id), el("td", {}, c.step), el("td", {}, fmt(c.epoch, 2)), el("td", {}, el("pre", {}, c.text)),
   ...names.map((n) => statusCell(c.scores[n])), el("td", {}, fmt(c.total)), el("td", {}, fmt(c.advantage)),
-  el("td", {}, fmt(c.tokens)))));
+  el("td", {}, fmt(c.tokens)), toolsCell(c.tool_calls))));
   for (const tr of $("prompt-table").tBodies[0].rows) tr.classList.toggle("selected", tr.dataset.id === id);
 }
 
@@ -187,7 +207,7 @@ function panel(node, title, c, pieces, side) {
       el("tr", {}, el("th", {}, "total"), el("td", {}, fmt(c.total))),
       el("tr", {}, el("th", {}, "advantage"), el("td", {}, fmt(c.advantage))),
       el("tr", {}, el("th", {}, "tokens"), el("td", {}, fmt(c.tokens))))),
-    text);
+    toolTable(c.tool_calls), text);
 }
 
 function renderCompare() {
@@ -249,10 +269,11 @@ async function renderSearchTable() {
   $("search-count").textContent = `${data.total} completions${state.search.ids ? " (a signal's)" : ""}`;
   $("search-export").href = `/api/export?${new URLSearchParams(Object.entries(filters).filter(([, v]) => v))}`;
   $("search-table").tHead.replaceChildren(el("tr", {}, ...["id", "step", "prompt", "completion", ...names, "total",
-    "advantage"].map((h) => el("th", {}, h))));
+    "advantage", "tool calls"].map((h) => el("th", {}, h))));
   $("search-table").tBodies[0].replaceChildren(...data.rows.map((r) => el("tr", {},
     el("td", {}, r.id), el("td", {}, r.step), el("td", {}, el("pre", {}, r.prompt)), el("td", {}, el("pre", {}, r.text)),
-    ...names.map((n) => statusCell(r.scores[n])), el("td", {}, fmt(r.total)), el("td", {}, fmt(r.advantage)))));
+    ...names.map((n) => statusCell(r.scores[n])), el("td", {}, fmt(r.total)), el("td", {}, fmt(r.advantage)),
+    toolsCell(r.tool_calls))));
 }
 
 // ---- live updates --------------------------------------------------------------------------------------------

@@ -325,3 +325,48 @@ def test_a_record_of_another_schema_says_so(tmp_path):
     db.close()
     with pytest.raises(RecordError, match="schema version 0; this rewardbox reads version 1"):
         make_server(tmp_path, "127.0.0.1:0")
+
+
+def test_each_completions_tool_calls_are_shown_beside_its_scores_as_text(browser, tmp_path):
+    from types import SimpleNamespace
+
+    from rewardbox.client import ScoreReport
+    from rewardbox.record import RunRecorder
+    from rewardbox.wire import Status
+
+    def turn(*calls):
+        return {"role": "assistant", "content": "",
+                "tool_calls": [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]}
+
+    conversation = [turn(("run_python", {"code": HOSTILE}), ("add", {"a": 1, "b": 2})),
+                    {"role": "tool", "name": "run_python", "content": f"printed {HOSTILE}"},
+                    {"role": "tool", "name": "add", "content": "{'error': 'add takes one-digit numbers'}"},
+                    {"role": "assistant", "content": "3"}]
+    recorder = RunRecorder(tmp_path / "record.sqlite", [("r", 1.0)], num_generations=2)
+    recorder.observe("r", ScoreReport(name="r", values=[1.0, 0.0], statuses=[Status.OK] * 2, errors=[None] * 2),
+                     SimpleNamespace(global_step=1, epoch=0.0), [[{"role": "user", "content": "What is 1 + 2?"}]] * 2,
+                     [conversation, [{"role": "assistant", "content": "4"}]], {})
+    recorder.close()
+    server = make_server(tmp_path, "127.0.0.1:0")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    context = browser.new_context(viewport={"width": 1400, "height": 1000}, bypass_csp=True)
+    try:
+        page = context.new_page()
+        page.goto(f"http://127.0.0.1:{server.server_address[1]}/#completions")
+        page.wait_for_selector("#prompt-table tbody tr")
+        page.locator("#prompt-table tbody tr").first.click()
+        page.wait_for_selector("#detail-table tbody tr")
+        cells = [row.locator("td").last.text_content() for row in page.locator("#detail-table tbody tr").all()]
+        assert sorted(cells) == ["-", "2 (1 failed)"]
+        page.locator("#detail-table tbody tr", has_text="2 (1 failed)").click()
+        rows = page.locator("#panel-left table.tool-calls tbody tr")
+        assert rows.count() == 2
+        first, second = (rows.nth(i).locator("td") for i in range(2))
+        assert first.nth(0).text_content() == "run_python" and json.dumps(HOSTILE) in first.nth(1).text_content()
+        assert first.nth(4).text_content() == f"printed {HOSTILE}" and first.nth(2).text_content() == "ok"
+        assert second.nth(2).text_content() == "error"
+        never_ran(page)
+    finally:
+        context.close()
+        server.shutdown()
+        server.server_close()

@@ -5,8 +5,12 @@ checked before anything starts."""
 from __future__ import annotations
 
 import inspect
+import json
 import shutil
+import sqlite3
 from pathlib import Path
+
+import contextlib
 
 import pytest
 import yaml
@@ -34,6 +38,29 @@ def _config(tmp_path: Path, base_image: str, model: Path, **changes) -> Path:
     return path
 
 
+def _tool_calls(output_dir: Path) -> list:
+    with contextlib.closing(sqlite3.connect(output_dir / "record.sqlite")) as db:
+        return db.execute("SELECT name, arguments, shown, status, error, latency_s FROM tool_calls "
+                          "ORDER BY completion_id, position").fetchall()
+
+
+def _check_recorded(calls: list, logged: list, completions_per_step: int, tool) -> None:
+    """The record holds every call TRL counted, each with what its tool gives in-process for those arguments (or
+    raises) and its sandboxed call's time; a call of a name the model made up, TRL's error and no time."""
+    assert len(calls) == round(sum(step["tools/call_frequency"] for step in logged) * completions_per_step)
+    assert any(name == tool.__name__ for name, *_ in calls)
+    for name, arguments, shown, status, error, latency in calls:
+        if name != tool.__name__:
+            assert (status, shown, latency) == ("error", str({"error": f"Tool {name} not found."}), None)
+            continue
+        try:
+            expected = ("ok", str(tool(**json.loads(arguments))))
+        except Exception as e:  # noqa: BLE001 - the tool's own exception, as TRL shows it
+            expected = ("error", str({"error": str(e)}))
+        assert (status, shown) == expected, (name, arguments, shown, status, error)
+        assert latency is not None and 0 < latency < 30, (name, arguments, latency)  # paired with its sandboxed call
+
+
 def _logged(result) -> list:
     return [{k: v for k, v in entry.items() if k.startswith(("reward", "tools/"))}
             for entry in result.log_history if "reward" in entry]
@@ -43,9 +70,13 @@ def test_the_tools_example_trains_identically_sandboxed_and_in_process(tmp_path,
                                                                        base_image):
     path = _config(tmp_path, base_image, tiny_tool_model)
     boxed = _logged(train(path))
+    calls = _tool_calls(tmp_path / "out")
     plain = _logged(train(path, in_process=True))
     assert boxed == plain
     assert sum(step["tools/call_frequency"] for step in boxed) > 0  # not vacuous: the model called the tool
+    namespace: dict = {}
+    exec((EXAMPLE / "tools.py").read_text(), namespace)
+    _check_recorded(calls, boxed, 8, namespace["add"])
 
 
 def test_a_tools_settings_and_signature_are_checked_before_anything_starts(tmp_path, tiny_tool_model, base_image):
@@ -71,10 +102,13 @@ def test_an_environment_in_a_config_trains_identically_sandboxed_and_in_process(
     path = _config(tmp_path, base_image, tiny_tool_model, tools=[], environment=environment)
     (tmp_path / "adder.py").write_text(ADDER)
     boxed = _logged(train(path))
+    calls = _tool_calls(tmp_path / "out")
     plain = _logged(train(path, in_process=True))
     assert boxed == plain
     assert sum(step["tools/call_frequency"] for step in boxed) > 0
     assert sum(step["tools/failure_frequency"] for step in boxed) > 0
+    _check_recorded(calls, boxed, 8, Adder().add)  # add's result depends on its arguments alone
+    assert {status for name, _, _, status, *_ in calls if name == "add"} == {"ok", "error"}
     assert any(step["rewards/Adder/mean"] > 0 for step in boxed)  # the episodes' state reached get_reward
 
 
