@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import json
 import threading
 import time
@@ -21,18 +22,26 @@ from typing import Any, Optional
 
 from .wire import Status
 
-MAX_NOTES = 65536  # calls noted and not yet recorded (a batch's worth many times over); the oldest go first
+# Calls noted and not yet recorded (a batch of 1,024 rollouts' several times over); the oldest go first. A note keeps
+# digests of the arguments and of what was shown (the record writes both from the conversation), and the start of a
+# failure's text: a few hundred bytes, at most about 2 KiB, whether or not a record ever reads them.
+MAX_NOTES = 16384
+MAX_NOTED_ERROR = 2000
 MAX_TEXT = 20000  # characters of a call's result or error kept in the record
 
 
 @dataclasses.dataclass(frozen=True)
 class ToolCall:
     name: str
-    arguments: str  # JSON, keys sorted
-    shown: str  # what the model was shown (TRL's tool message content, as text)
+    arguments: bytes  # digest of the arguments (:func:`arguments_key`)
+    shown: bytes  # digest of what the model was shown (TRL's tool message content, as text)
     status: str  # a Status value
     error: Optional[str] = None  # the call's error text (rewardbox's for timeouts, crashes: it names the limit)
     latency_s: Optional[float] = None
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def arguments_key(arguments: Any) -> str:
@@ -61,19 +70,20 @@ class CallLog:
         """One call ended: ``result`` (what it returned) when ``status`` is ok, else ``error`` (the text of the
         exception the caller raises, which TRL shows as ``{"error": text}``)."""
         shown = shown_text(result) if status is Status.OK else str({"error": error or ""})
+        call = ToolCall(name, _digest(arguments_key(arguments)), _digest(shown), str(status),
+                        None if status is Status.OK else (error or "")[:MAX_NOTED_ERROR], time.monotonic() - started)
         with self._lock:
-            self._notes.append(ToolCall(name, arguments_key(arguments), shown, str(status),
-                                        None if status is Status.OK else error, time.monotonic() - started))
+            self._notes.append(call)
 
     def take(self, name: str, arguments: Any, shown: str) -> Optional[ToolCall]:
         """The oldest note of a call to ``name`` with these arguments that showed ``shown`` (or, where none did, the
         oldest with these arguments), removed; None when there is none."""
-        key = arguments_key(arguments)
+        key, shown_digest = _digest(arguments_key(arguments)), _digest(shown)
         with self._lock:
             fallback = None
             for i, call in enumerate(self._notes):
                 if call.name == name and call.arguments == key:
-                    if call.shown == shown:
+                    if call.shown == shown_digest:
                         del self._notes[i]
                         return call
                     if fallback is None:
