@@ -103,9 +103,11 @@ class _Loop:
 class _Episodes:
     """What every proxy of one environment shares: the sandboxes' replicas, the loop for sync calls, the settings."""
 
-    def __init__(self, name: str, spec: RewardSpec, replicas: list, loop: _Loop, max_episodes: int):
+    def __init__(self, name: str, spec: RewardSpec, replicas: list, loop: _Loop, max_episodes: int,
+                 reuse_process: bool = False):
         self.name, self.spec, self.replicas, self.loop = name, spec, replicas, loop
         self.max_episodes = max_episodes
+        self.reuse_process = reuse_process
         self.live: set = set()  # episodes started and not yet ended
         self._rotation = itertools.count()
 
@@ -164,12 +166,23 @@ class EnvironmentProxy:
     def reset(self, **kwargs: Any) -> Any:
         """Ends this instance's episode, if any, and starts a new one (in a process prepared ahead), calling the
         environment's ``reset(**kwargs)`` there. Returns what it returns. Never raises: an episode that cannot start
-        fails its calls, and its ``get_reward`` returns the fallback."""
+        fails its calls, and its ``get_reward`` returns the fallback. With ``reuse_process``, a live episode's
+        process takes the ``reset`` itself (the same instance; a fresh process only where it is gone)."""
         episodes = self._episodes
         try:
             json.dumps(kwargs, allow_nan=False)
         except (TypeError, ValueError) as e:
             return self._refuse(f"its episode could not start: reset() takes JSON values as arguments ({e})")
+        if episodes.reuse_process and self._episode and not self._gone and self._replica is not None:
+            status, value, error = episodes.loop.run(
+                episodes.call(self._replica, self._episode, "reset", kwargs))
+            if status is Status.OK:
+                return value
+            if status is Status.ERROR:  # reset raised: the process and its instance live on, as in-process
+                log.warning("environment %s: reset() failed: %s", episodes.name, error)
+                return None
+            log.info("environment %s: a kept episode process is gone (%s): reset() starts a fresh one",
+                     episodes.name, error)
         previous, self._episode = self._episode, ""
         episodes.live.discard(previous)
         self._gone = ""
@@ -341,7 +354,7 @@ def _get_reward_sync(self: EnvironmentProxy) -> Optional[float]:
 
 @contextlib.contextmanager
 def sandboxed_environment(factory: Union[Callable, dict], *, sandbox: Optional[dict] = None, backend=None,
-                          max_episodes: int = DEFAULT_MAX_EPISODES,
+                          max_episodes: int = DEFAULT_MAX_EPISODES, reuse_process: bool = False,
                           **settings: Any) -> Iterator[Union[Callable, dict]]:
     """Runs each episode of the environment ``factory`` makes (what a script passes as
     ``GRPOTrainer(environment_factory=...)``) in a process of its own in a sandbox, and yields a zero-argument factory
@@ -353,6 +366,10 @@ def sandboxed_environment(factory: Union[Callable, dict], *, sandbox: Optional[d
         backend: a backend object to start the sandboxes on instead (it stays the caller's).
         max_episodes: episodes live at once per environment (each holds a process): TRL keeps one instance per
             rollout in flight.
+        reuse_process: an instance's next ``reset`` goes to its live process and instance instead of a fresh one
+            (for environments that rely on state across episodes, or whose start is costly): what an episode left
+            in that process (files, processes, module state, the instance's attributes) reaches the instance's
+            next episodes. Other instances stay apart. A process that is gone is replaced at the next ``reset``.
         settings: ``packages``, ``system_packages``, ``timeout_s`` (per call), ``default_score`` (what
             ``get_reward`` gives for an episode whose process is gone), ``memory``, ``network``, ``secrets``,
             ``env``, ``replicas``...: the reward settings but ``style``, ``weight`` and the process settings, which an
@@ -397,7 +414,8 @@ def sandboxed_environment(factory: Union[Callable, dict], *, sandbox: Optional[d
             with RewardSandboxes(config, backend=backend) as sandboxes:
                 made_factories = {}
                 for (key, cls), spec in zip(classes, config.rewards):
-                    episodes = _Episodes(spec.name, spec, sandboxes.replicas[spec.name], loop, max_episodes)
+                    episodes = _Episodes(spec.name, spec, sandboxes.replicas[spec.name], loop, max_episodes,
+                                         reuse_process)
                     made_factories[key] = proxy_class(cls, episodes)
                 yield made_factories[None] if None in made_factories else made_factories
     finally:
@@ -410,6 +428,8 @@ class EnvironmentSpec(RewardSpec):
 
     max_episodes: int = Field(default=DEFAULT_MAX_EPISODES, gt=0, description="episodes live at once (one process "
                               "each): TRL keeps one instance per rollout in flight")
+    reuse_process: bool = Field(default=False, description="an instance's next reset goes to its live process and "
+                                "instance (what an episode left there reaches its next episodes), not a fresh one")
 
 
 class StartedEnvironment:
@@ -438,7 +458,8 @@ def environment_from_config(config, spec: EnvironmentSpec, backend=None) -> Star
         raise ConfigError(f"{config.source_path(spec)}: class {cls.__name__} has no reset() method, which TRL calls "
                           "at the start of every rollout")
     reward = RewardSpec.model_validate(
-        _episode_settings(spec.model_dump(exclude={"max_episodes"}, exclude_unset=True), spec.max_episodes))
+        _episode_settings(spec.model_dump(exclude={"max_episodes", "reuse_process"}, exclude_unset=True),
+                          spec.max_episodes))
     sandboxes = RewardSandboxes(config.model_copy(update={"rewards": [reward]}), backend=backend)
     loop = _Loop()
     try:
@@ -446,5 +467,6 @@ def environment_from_config(config, spec: EnvironmentSpec, backend=None) -> Star
     except BaseException:
         loop.close()
         raise
-    episodes = _Episodes(reward.name, reward, sandboxes.replicas[reward.name], loop, spec.max_episodes)
+    episodes = _Episodes(reward.name, reward, sandboxes.replicas[reward.name], loop, spec.max_episodes,
+                         spec.reuse_process)
     return StartedEnvironment(sandboxes, proxy_class(cls, episodes), loop)

@@ -135,6 +135,29 @@ def test_errors_are_the_originals_and_an_ended_episode_fails_until_reset():
         assert run(env.bump(by=1)) == 1
 
 
+def test_reuse_process_keeps_an_instances_process_across_episodes_and_no_other_instances():
+    with sandboxed_environment(Counter, sandbox=LOCAL, timeout_s=1, reuse_process=True) as factory:
+        env, other = factory(), factory()
+        env.reset()
+        other.reset()
+        run(env.bump(by=2))
+        first = run(env.history())
+        assert env.reset(offset=5) == "counting from 5"  # the same instance's own reset, in the same process
+        again = run(env.history())
+        # what its last episode left is there, in the one instance its process made
+        assert again == {"log": [2], "made": first["made"], "pid": first["pid"]}
+        assert run(other.history())["pid"] != first["pid"]  # another instance: a process of its own
+        with pytest.raises(ToolError, match="timed out"):
+            run(env.stall(seconds=5))  # ends the process
+        env.reset()
+        fresh = run(env.history())
+        assert fresh["log"] == [] and fresh["pid"] != first["pid"]  # a gone process is replaced
+        with pytest.raises(ToolError) as raised:
+            run(env.fail(text="x"))
+        assert env.reset(offset=1) == "counting from 1" and run(env.history())["pid"] == fresh["pid"]
+        assert raised.value.status is Status.ERROR
+
+
 def test_more_live_episodes_than_max_episodes_fail_their_own_calls_only():
     with sandboxed_environment(Counter, sandbox=LOCAL, max_episodes=2) as factory:
         a, b, c = factory(), factory(), factory()
