@@ -311,7 +311,9 @@ class RewardService(pb_grpc.RewardSandboxServicer):
         own_logs = report.sample_logs or [""] * len(report.values)
         times = report.sample_seconds or [None] * len(report.values)
         for value, status, error, own, took in zip(report.values, report.statuses, report.errors, own_logs, times):
-            if status is _OK:
+            if status is _OK and isinstance(value, str):  # a tool's result (its client re-checks it)
+                scores.append(pb.Score(result_json=value, status=_wire(status), logs=own, seconds=took))
+            elif status is _OK:
                 scores.append(pb.Score(value=value, status=_wire(status), logs=own, seconds=took) if value is not None
                               else pb.Score(status=_wire(status), logs=own, seconds=took))
             else:  # the trainer's client applies its own default_score

@@ -242,3 +242,33 @@ def test_serve_refuses_a_reachable_address_without_tls_and_a_token(tmp_path, mon
                                       "--tls-cert", str(tmp_path / "r.py"), "--tls-key", str(tmp_path / "r.py"),
                                       "--tls-client-ca", str(tmp_path / "r.py")])
     assert result.exit_code == 2 and "r.py: not a PEM certificate" in result.output
+
+
+ADD = """
+def add(a: int, b: int) -> dict:
+    \"\"\"Adds two numbers.
+
+    Args:
+        a: the first number
+        b: the second number
+    \"\"\"
+    if a > 9:
+        raise ValueError("one-digit numbers only")
+    return {"sum": a + b, "parts": [a, b]}
+"""
+
+
+def test_tools_served_by_a_shared_service_return_what_they_return_in_process(serve, monkeypatch):
+    # The service once put a tool's result where a score goes (a float): every call failed as unavailable.
+    from rewardbox import ToolError, sandboxed_tools
+    from tests.remote.conftest import TOKEN_ENV
+
+    service = serve([{"name": "add", "code": ADD, "style": "tool"}], token=TOKEN)
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    namespace: dict = {}
+    exec(ADD, namespace)
+    remote = {"endpoints": [service.target], "token_env": TOKEN_ENV}
+    with sandboxed_tools([namespace["add"]], sandbox={"backend": "remote", "remote": remote}) as tools:
+        assert asyncio.run(tools[0](a=1, b=2)) == namespace["add"](a=1, b=2) == {"sum": 3, "parts": [1, 2]}
+        with pytest.raises(ToolError, match="^one-digit numbers only$"):
+            asyncio.run(tools[0](a=10, b=2))
