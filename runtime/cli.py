@@ -392,6 +392,8 @@ def serve(
     max_connections: int = typer.Option(512, min=1, help="connections at once, authenticated or not"),
     stream_window_kb: int = typer.Option(64, min=16, help="HTTP/2 window per stream (KiB): what a request may send "
                                          "before it is authenticated; raise it for large batches over long links"),
+    episode_idle_s: float = typer.Option(3600.0, min=1.0, help="an environment's episode with no call for this long "
+                                         "is ended (its trainer died without ending it)"),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Serve CONFIG's rewards to many trainers and ranks on one authenticated endpoint (`backend: remote`)."""
@@ -414,7 +416,7 @@ def serve(
         if backend:
             cfg.sandbox.backend = backend
         limits = ServiceLimits(max_message_mb * 1024 * 1024, max_concurrent_rpcs, max_streams_per_connection,
-                               max_connections, stream_window_kb * 1024)
+                               max_connections, stream_window_kb * 1024, episode_idle_s=episode_idle_s)
         asyncio.run(run_service(cfg, listen, security, on_ready=ready, limits=limits))
     except RewardboxError as e:
         raise fail(str(e)) from None

@@ -384,10 +384,6 @@ def sandboxed_environment(factory: Union[Callable, dict], *, sandbox: Optional[d
         raise ConfigError(f"rewardbox.sandboxed_environment: {', '.join(map(repr, fixed))} are fixed for an "
                           "environment (each episode is a process of its own; max_episodes sets how many live at once)")
     _check_settings(settings, "sandboxed_environment(...)")
-    where_to = backend.name if backend is not None else (sandbox or {}).get("backend", "docker")
-    if where_to in ("remote", "ray"):
-        raise ConfigError(f"rewardbox.sandboxed_environment: the {where_to} backend does not run environments yet "
-                          "(an episode's calls must reach the one sandbox process that holds it); use docker")
     factories = factory if isinstance(factory, dict) else {None: factory}
     shipper = Shipper("sandboxed_environment")
     classes: list[tuple] = []

@@ -26,6 +26,7 @@ changes:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ctypes
 import hmac
@@ -46,10 +47,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from .errors import ConfigError, RewardLoadError, read_named_file
+from .errors import ConfigError, RewardboxError, RewardLoadError, read_named_file
 from .session import RewardSandboxes
 from .spec import RewardboxConfig, RewardSpec
-from .wire import MAX_MESSAGE_BYTES, SERVICE_NAME, STYLE_NAMES, VERSION, Status
+from .wire import HARD_TIMEOUT_MARGIN_S, MAX_MESSAGE_BYTES, SERVICE_NAME, STYLE_NAMES, VERSION, Status
 from .wire.pb import reward_pb2 as pb
 from .wire.pb import reward_pb2_grpc as pb_grpc
 
@@ -74,6 +75,9 @@ class ServiceLimits:
     stream_window_bytes: int = 64 * 1024
     idle_s: float = 60.0  # a connection with no call for this long is closed (clients reconnect when they need to)
     handshake_s: float = 10.0  # a connection must finish its TLS and HTTP/2 handshakes within this
+    # An environment's episode with no request for this long is ended: a trainer that died without ending its
+    # episodes would otherwise hold their sandbox processes (and a place among MAX_EPISODES) while the service runs.
+    episode_idle_s: float = 3600.0
 
     def grpc_options(self) -> list:
         return [("grpc.max_receive_message_length", self.max_message_bytes),
@@ -84,6 +88,8 @@ class ServiceLimits:
                 ("grpc.max_connection_idle_ms", int(self.idle_s * 1000)),
                 ("grpc.server_handshake_timeout_ms", int(self.handshake_s * 1000))]
 DRAIN_GRACE_S = 60.0
+MAX_EPISODES = 65536  # live environment episodes a service routes (each a few hundred bytes here; a process there)
+MAX_EPISODE_ID = 64  # characters (hosts send 32 hex digits)
 _OK = Status.OK
 
 
@@ -267,8 +273,10 @@ class Budget:
 class RewardService(pb_grpc.RewardSandboxServicer):
     """The sandbox protocol, answered by the sandboxes of a started :class:`RewardSandboxes`."""
 
-    def __init__(self, sandboxes: RewardSandboxes, health: Optional[HealthServicer] = None):
+    def __init__(self, sandboxes: RewardSandboxes, health: Optional[HealthServicer] = None,
+                 episode_idle_s: float = ServiceLimits.episode_idle_s):
         self.sandboxes = sandboxes
+        self.episode_idle_s = episode_idle_s
         self.health = health
         self.specs: dict[str, RewardSpec] = {r.name: r for r in sandboxes.config.rewards}
         self.budgets = {name: Budget(spec.max_in_flight) for name, spec in self.specs.items()}
@@ -277,6 +285,11 @@ class RewardService(pb_grpc.RewardSandboxServicer):
         self._idle = asyncio.Event()
         self._idle.set()
         self._load_lock = asyncio.Lock()
+        # Environments: each live episode's replica (its calls must reach the one sandbox process that holds it),
+        # by episode id; an episode's end removes it. Bounded: a start past MAX_EPISODES live is refused.
+        self._episodes: collections.OrderedDict = collections.OrderedDict()  # id -> (replica, last request)
+        self._rotation = 0
+        self._endings: set = set()  # tasks ending idle episodes
 
     def _served(self) -> str:
         return ", ".join(self.specs)
@@ -290,6 +303,8 @@ class RewardService(pb_grpc.RewardSandboxServicer):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the service is draining (shutting down)")
         reward, budget = self.sandboxes[name], self.budgets[name]
+        if self.specs[name].style == "environment":
+            return await self._episode(request, context)
         n = len(request.samples)
         peer = client_of(context)
         admitted = budget.take(n, whole=reward.style == "batch", client=peer)
@@ -323,6 +338,78 @@ class RewardService(pb_grpc.RewardSandboxServicer):
         scores.extend(deferred for _ in range(n - admitted))
         return pb.ScoreResponse(scores=scores, logs=report.logs, metrics=pb.Metrics(
             elapsed_ms=1000 * (time.monotonic() - started), workers_replaced=report.workers_replaced))
+
+    async def _episode(self, request: pb.ScoreRequest, context) -> pb.ScoreResponse:
+        """An environment's request, passed whole to the replica that holds its episode: a start goes to the
+        replica of the episode it ends (an instance keeps to one sandbox), else to the next in turn; a call of an
+        episode this service holds to no replica fails as its process being gone would (``crash``)."""
+        name, episode, ended = request.function, request.episode, request.episode_end
+        if len(episode) > MAX_EPISODE_ID or len(ended) > MAX_EPISODE_ID:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"an episode id has at most {MAX_EPISODE_ID} "
+                                "characters")
+        if episode and len(request.samples) != 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an episode's request carries one call")
+        replicas = self.sandboxes.replicas[name]
+        self._end_idle_episodes()
+        held = self._episodes.pop(ended, (None, 0.0))[0] if ended else None
+        if request.episode_start:
+            if len(self._episodes) >= MAX_EPISODES:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"environment {name!r}: {MAX_EPISODES} "
+                                    "episodes are live on this service; end some (the next reset of an instance "
+                                    "ends its last)")
+            if held is None or held not in replicas:
+                self._rotation += 1
+                held = replicas[self._rotation % len(replicas)]
+            self._episodes[episode] = (held, time.monotonic())
+        elif episode:
+            held = self._episodes.get(episode, (None, 0.0))[0]
+            if held is not None:
+                self._episodes[episode] = (held, time.monotonic())
+                self._episodes.move_to_end(episode)
+            else:
+                return pb.ScoreResponse(scores=[pb.Score(status=_wire(Status.CRASH), error="this service holds no "
+                                                         "live episode of that id (its process is gone, or it ended)")])
+        elif held is None:
+            return pb.ScoreResponse()  # the end of an episode no replica holds: nothing to end
+        self.active += 1
+        self._idle.clear()
+        try:
+            return await held.score(request, request.timeout_s + HARD_TIMEOUT_MARGIN_S + 10.0)
+        except RewardboxError as e:
+            if request.episode_start:
+                self._episodes.pop(episode, None)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"environment {name!r}: its sandbox could not be "
+                                f"reached: {e}")
+            raise  # abort raises; for type checkers
+        finally:
+            self.active -= 1
+            if not self.active:
+                self._idle.set()
+
+    def _end_idle_episodes(self) -> None:
+        """Ends the episodes that had no request for ``episode_idle_s`` (the oldest first: the map is in order of
+        use)."""
+        now = time.monotonic()
+        while self._episodes:
+            episode, (replica, used) = next(iter(self._episodes.items()))
+            if now - used < self.episode_idle_s:
+                return
+            del self._episodes[episode]
+            name = next((n for n, rs in self.sandboxes.replicas.items() if replica in rs), None)
+            if name is None:
+                continue
+            log.info("environment %s: ending an episode idle for %.0f s (its trainer is gone?)", name, now - used)
+            end = pb.ScoreRequest(function=name, timeout_s=self.specs[name].timeout_s, episode_end=episode)
+            task = asyncio.ensure_future(self._end_quietly(replica, end))
+            self._endings.add(task)
+            task.add_done_callback(self._endings.discard)
+
+    @staticmethod
+    async def _end_quietly(replica, request: pb.ScoreRequest) -> None:
+        try:
+            await replica.score(request, 10.0)
+        except RewardboxError:
+            pass  # a sandbox that cannot be reached has no episode to end
 
     async def Load(self, request: pb.LoadRequest, context) -> pb.LoadResponse:
         for fn in request.functions:
@@ -409,7 +496,7 @@ async def serve(config: RewardboxConfig, listen: str, security: ServiceSecurity,
         server = grpc.aio.server(options=limits.grpc_options(), interceptors=interceptors,
                                  maximum_concurrent_rpcs=limits.max_concurrent_rpcs)
         health = HealthServicer()
-        service = RewardService(sandboxes, health)
+        service = RewardService(sandboxes, health, limits.episode_idle_s)
         pb_grpc.add_RewardSandboxServicer_to_server(service, server)
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         reflection.enable_server_reflection(

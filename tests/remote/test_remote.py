@@ -272,3 +272,82 @@ def test_tools_served_by_a_shared_service_return_what_they_return_in_process(ser
         assert asyncio.run(tools[0](a=1, b=2)) == namespace["add"](a=1, b=2) == {"sum": 3, "parts": [1, 2]}
         with pytest.raises(ToolError, match="^one-digit numbers only$"):
             asyncio.run(tools[0](a=10, b=2))
+
+
+COUNTER = """
+import os
+
+
+class Counter:
+    def __init__(self):
+        self.n = 0
+
+    def reset(self, start: int = 0, **kwargs) -> str:
+        self.n = start
+        return f"from {start}"
+
+    def bump(self, by: int) -> dict:
+        \"\"\"Adds to the counter.
+
+        Args:
+            by: how much to add
+        \"\"\"
+        self.n += by
+        return {"n": self.n, "pid": os.getpid()}
+
+    def get_reward(self) -> float:
+        return float(self.n)
+"""
+
+
+def test_environments_served_by_a_shared_service_keep_each_episode_on_the_process_that_holds_it(serve, monkeypatch):
+    from rewardbox import sandboxed_environment
+    from tests.remote.conftest import TOKEN_ENV
+
+    # two replicas behind the service: an episode's calls must reach the one holding it
+    service = serve([{"name": "Counter", "code": COUNTER, "function": "Counter", "style": "environment",
+                      "isolation": "worker", "workers": 4, "replicas": 2}], token=TOKEN)
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    namespace: dict = {}
+    exec(COUNTER, namespace)
+    remote = {"endpoints": [service.target], "token_env": TOKEN_ENV}
+    with sandboxed_environment(namespace["Counter"], sandbox={"backend": "remote", "remote": remote},
+                               max_episodes=4) as factory:
+        instances = [factory() for _ in range(4)]
+        for round_ in range(3):
+            assert [env.reset(start=10 * i) for i, env in enumerate(instances)] == [f"from {10 * i}" for i in range(4)]
+
+            async def calls():
+                return await asyncio.gather(*(env.bump(by=k) for env in instances for k in (1, 2, 3)))
+
+            results = asyncio.run(calls())
+            for i in range(4):  # each episode's calls in order, in one process
+                mine = results[3 * i:3 * i + 3]
+                assert [r["n"] for r in mine] == [10 * i + 1, 10 * i + 3, 10 * i + 6]
+                assert len({r["pid"] for r in mine}) == 1
+            assert len({r["pid"] for r in results}) == 4  # each its own
+            assert [env.get_reward() for env in instances] == [10.0 * i + 6 for i in range(4)]
+
+
+def test_a_service_ends_episodes_left_idle_by_a_trainer_that_went_away(serve, monkeypatch):
+    from rewardbox import ToolError, sandboxed_environment
+    from tests.remote.conftest import TOKEN_ENV
+
+    service = serve([{"name": "Counter", "code": COUNTER, "function": "Counter", "style": "environment",
+                      "isolation": "worker", "workers": 2}], token=TOKEN, extra=("--episode-idle-s", "1"))
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    namespace: dict = {}
+    exec(COUNTER, namespace)
+    remote = {"endpoints": [service.target], "token_env": TOKEN_ENV}
+    with sandboxed_environment(namespace["Counter"], sandbox={"backend": "remote", "remote": remote},
+                               max_episodes=2) as factory:
+        gone, other = factory(), factory()
+        gone.reset()
+        first = asyncio.run(gone.bump(by=1))
+        time.sleep(1.5)
+        other.reset()  # the service ends what idled past 1 s, freeing its process for the next episode
+        with pytest.raises(ToolError, match="holds no live episode of that id"):
+            asyncio.run(gone.bump(by=1))
+        assert gone.reset(start=5) == "from 5"
+        again = asyncio.run(gone.bump(by=1))
+        assert again["n"] == 6 and again["pid"] != first["pid"]
