@@ -347,8 +347,8 @@ class RewardService(pb_grpc.RewardSandboxServicer):
         if len(episode) > MAX_EPISODE_ID or len(ended) > MAX_EPISODE_ID:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"an episode id has at most {MAX_EPISODE_ID} "
                                 "characters")
-        if episode and len(request.samples) != 1:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an episode's request carries one call")
+        if (episode and len(request.samples) != 1) or (request.episode_start and not episode):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an episode's request carries its id and one call")
         replicas = self.sandboxes.replicas[name]
         self._end_idle_episodes()
         held = self._episodes.pop(ended, (None, 0.0))[0] if ended else None

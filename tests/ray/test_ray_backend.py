@@ -120,3 +120,63 @@ def test_no_cluster_at_the_address_is_an_error_saying_how_to_start_one():
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
     assert done.stdout.startswith("BackendError sandbox.ray.address is '127.0.0.1:1', and nothing answers there")
     assert "ray start --head" in done.stdout
+
+
+class Tally:
+    """An environment whose state lives across an episode's calls."""
+
+    def __init__(self):
+        self.total = 0
+
+    def reset(self, **kwargs) -> None:
+        self.total = 0
+
+    def add(self, n: int) -> dict:
+        """Adds.
+
+        Args:
+            n: how much
+        """
+        import os
+
+        self.total += n
+        return {"total": self.total, "pid": os.getpid()}
+
+    def get_reward(self) -> float:
+        return float(self.total)
+
+
+def double(n: int) -> int:
+    """Doubles.
+
+    Args:
+        n: the number
+    """
+    if n < 0:
+        raise ValueError("no negatives")
+    return 2 * n
+
+
+def test_tools_and_environments_run_on_the_cluster_each_episode_on_the_actor_holding_it(ray_cluster, base_image):
+    import asyncio
+
+    from rewardbox import ToolError, sandboxed_environment, sandboxed_tools
+
+    sandbox = {"backend": "ray", "ray": {"docker": {"base_image": base_image}}}
+    with sandboxed_tools([double], sandbox=sandbox) as tools:
+        assert run(tools[0](n=4)) == 8
+        with pytest.raises(ToolError, match="^no negatives$"):
+            run(tools[0](n=-1))
+    with sandboxed_environment(Tally, sandbox=sandbox, replicas=2, max_episodes=4) as factory:
+        instances = [factory() for _ in range(4)]
+        for _ in range(2):
+            for env in instances:
+                env.reset()
+
+            async def calls():
+                return await asyncio.gather(*(env.add(n=k) for env in instances for k in (1, 2)))
+
+            results = run(calls())
+            assert [r["total"] for r in results] == [1, 3] * 4  # each episode's state, in the order of its calls
+            assert all(results[2 * i]["pid"] == results[2 * i + 1]["pid"] for i in range(4))
+            assert [env.get_reward() for env in instances] == [3.0] * 4
