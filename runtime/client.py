@@ -40,6 +40,19 @@ SPLIT = 4  # each retry of a sample-style share sends its unscored samples in th
 CALL_MEMORY_FRACTION = 32
 MIN_CALL_BYTES = 1 << 20
 MAX_CALL_BYTES = MAX_MESSAGE_BYTES // 2  # the sandbox's gRPC limit, with room for what a call adds to its samples
+
+
+def call_bytes(spec: RewardSpec) -> int:
+    """The most bytes of samples one call of ``spec`` carries (CALL_MEMORY_FRACTION of its sandbox's memory)."""
+    return min(MAX_CALL_BYTES, max(MIN_CALL_BYTES, spec.memory_bytes // CALL_MEMORY_FRACTION))
+
+
+def too_much(spec: RewardSpec, size: int, what: str) -> str:
+    """The error of a call whose samples (``what``: "this sample is", ...) take ``size`` bytes, past call_bytes."""
+    kind = spec.style if spec.style in CALL_STYLES else "reward"
+    return (f"{what} {size / (1 << 20):.1f} MiB, more than one call to {kind} {spec.name!r} may carry "
+            f"({call_bytes(spec) / (1 << 20):.1f} MiB, 1/{CALL_MEMORY_FRACTION} of its `memory: {spec.memory}`: its "
+            f"sandbox holds a call several times over); raise `memory:` of the {kind}")
 # CANCELLED reaches the client only when the server ended the call (an overloaded service sheds it): our own
 # cancellations end the coroutine instead.
 # UNKNOWN: the sandbox server raised what it did not expect (a bug of ours, not the reward's): the call is tried again
@@ -262,7 +275,7 @@ class RewardClient:
 
     def call_bytes(self) -> int:
         """The most bytes of samples one call carries (CALL_MEMORY_FRACTION of the sandbox's memory)."""
-        return min(MAX_CALL_BYTES, max(MIN_CALL_BYTES, self.reward.memory_bytes // CALL_MEMORY_FRACTION))
+        return call_bytes(self.reward)
 
     def _fitted(self, parts: list, share: _Share) -> list:
         """``parts`` of (index, sample), split further so that no call carries more than :meth:`call_bytes`. A
@@ -285,7 +298,8 @@ class RewardClient:
             held = 0
             for item, size in zip(part, sizes):
                 if size > limit:
-                    share.outcomes[item[0]] = Outcome.failed(Status.ERROR, self._too_much(size, "this sample is"))
+                    what = "this call's arguments are" if self.reward.style in CALL_STYLES else "this sample is"
+                    share.outcomes[item[0]] = Outcome.failed(Status.ERROR, self._too_much(size, what))
                     continue
                 if current and held + size > limit:
                     fitted.append(current)
@@ -297,9 +311,7 @@ class RewardClient:
         return fitted
 
     def _too_much(self, size: int, what: str) -> str:
-        return (f"{what} {size / (1 << 20):.1f} MiB, more than one call to reward {self.reward.name!r} may carry "
-                f"({self.call_bytes() / (1 << 20):.1f} MiB, 1/{CALL_MEMORY_FRACTION} of its `memory: "
-                f"{self.reward.memory}`: its sandbox holds a call several times over); raise `memory:` of the reward")
+        return too_much(self.reward, size, what)
 
     def _usable(self) -> list:
         """The replicas to send to: all but shared services set aside after failing health (all, if none is left)."""

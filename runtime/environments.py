@@ -39,7 +39,7 @@ from .replica import Replica
 from .session import RewardSandboxes
 from .shipping import Shipper, where
 from .spec import RewardSpec, Where, parse_config
-from .client import checked
+from .client import call_bytes, checked, too_much
 from .tool_calls import CALLS
 from .tools import ToolError, ended_how, result_of
 from .wire import HARD_TIMEOUT_MARGIN_S, Status
@@ -131,6 +131,8 @@ class _Episodes:
             arguments = json.dumps({"method": method, "args": args}, allow_nan=False)
         except (TypeError, ValueError) as e:
             return Status.ERROR, None, f"{method}(): an environment's methods take JSON values as arguments: {e}"
+        if len(arguments) > call_bytes(self.spec):  # ASCII JSON: characters are bytes
+            return Status.ERROR, None, too_much(self.spec, len(arguments), f"{method}()'s arguments are")
         request = pb.ScoreRequest(function=self.name, samples=[pb.Sample(columns_json=arguments)],
                                   timeout_s=self.spec.timeout_s, episode=episode, episode_start=start,
                                   episode_end=end)

@@ -158,6 +158,16 @@ def test_reuse_process_keeps_an_instances_process_across_episodes_and_no_other_i
         assert raised.value.status is Status.ERROR
 
 
+def test_a_call_whose_arguments_exceed_the_call_bound_fails_alone_naming_the_bound():
+    with sandboxed_environment(Counter, sandbox=LOCAL, memory="256m") as factory:  # 8 MiB a call
+        env = factory()
+        env.reset()
+        with pytest.raises(ToolError, match=r"^fail\(\)'s arguments are 9\.0 MiB, more than one call to environment "
+                                            r"'Counter' may carry \(8\.0 MiB, 1/32 of its `memory: 256m`"):
+            run(env.fail(text="x" * (9 << 20)))
+        assert run(env.bump(by=2)) == 2  # the episode lives on
+
+
 def test_more_live_episodes_than_max_episodes_fail_their_own_calls_only():
     with sandboxed_environment(Counter, sandbox=LOCAL, max_episodes=2) as factory:
         a, b, c = factory(), factory(), factory()

@@ -145,6 +145,23 @@ def test_a_result_too_large_to_send_back_fails_naming_the_tool_and_the_bound():
             run(tool(n=300_000))
 
 
+def test_arguments_past_the_call_bound_fail_naming_the_tool_and_the_bound():
+    def echo(text: str) -> int:
+        """Counts characters.
+
+        Args:
+            text: the text
+        """
+        return len(text)
+
+    with sandboxed_tools([echo], sandbox=LOCAL, memory="256m") as (tool,):  # 8 MiB a call
+        assert run(tool(text="x" * (4 << 20))) == 4 << 20
+        with pytest.raises(ToolError, match=r"^this call's arguments are 9\.0 MiB, more than one call to tool 'echo' "
+                                            r"may carry \(8\.0 MiB, 1/32 of its `memory: 256m`.*raise `memory:` of "
+                                            r"the tool$"):
+            run(tool(text="x" * (9 << 20)))
+
+
 def test_bad_tools_and_settings_are_refused_before_anything_starts():
     with pytest.raises(ConfigError, match=r"tools\[1\] is a Counter, not a function"):
         with sandboxed_tools([add, Counter(1)], sandbox=LOCAL):
