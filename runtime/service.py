@@ -287,7 +287,8 @@ class RewardService(pb_grpc.RewardSandboxServicer):
         self._load_lock = asyncio.Lock()
         # Environments: each live episode's replica (its calls must reach the one sandbox process that holds it),
         # by episode id; an episode's end removes it. Bounded: a start past MAX_EPISODES live is refused.
-        self._episodes: collections.OrderedDict = collections.OrderedDict()  # id -> (replica, last request)
+        self._episodes: collections.OrderedDict = collections.OrderedDict()  # (env, id) -> (replica, last request)
+        self._episode_locks: dict = {}  # (env, id) -> [lock, requests holding or waiting for it]
         self._rotation = 0
         self._endings: set = set()  # tasks ending idle episodes
 
@@ -342,16 +343,42 @@ class RewardService(pb_grpc.RewardSandboxServicer):
     async def _episode(self, request: pb.ScoreRequest, context) -> pb.ScoreResponse:
         """An environment's request, passed whole to the replica that holds its episode: a start goes to the
         replica of the episode it ends (an instance keeps to one sandbox), else to the next in turn; a call of an
-        episode this service holds to no replica fails as its process being gone would (``crash``)."""
+        episode this service holds to no replica fails as its process being gone would (``crash``). Requests that
+        name the same episode run one after another (a start and an end of one id racing each other left a process
+        no entry named: red team)."""
         name, episode, ended = request.function, request.episode, request.episode_end
         if len(episode) > MAX_EPISODE_ID or len(ended) > MAX_EPISODE_ID:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"an episode id has at most {MAX_EPISODE_ID} "
                                 "characters")
         if (episode and len(request.samples) != 1) or (request.episode_start and not episode):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an episode's request carries its id and one call")
+        keys = sorted({(name, e) for e in (episode, ended) if e})
+        async with contextlib.AsyncExitStack() as stack:
+            for key in keys:  # in one order: no two requests wait on each other
+                await stack.enter_async_context(self._episode_lock(key))
+            return await self._route(request, context)
+
+    @contextlib.asynccontextmanager
+    async def _episode_lock(self, key: tuple):
+        entry = self._episode_locks.setdefault(key, [asyncio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if not entry[1]:
+                del self._episode_locks[key]
+
+    async def _route(self, request: pb.ScoreRequest, context) -> pb.ScoreResponse:
+        name, episode, ended = request.function, request.episode, request.episode_end
         replicas = self.sandboxes.replicas[name]
         self._end_idle_episodes()
-        held = self._episodes.pop(ended, (None, 0.0))[0] if ended else None
+        key = (name, episode)
+        if request.episode_start and key in self._episodes:  # before the map is touched: the live one stays mapped
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"environment {name!r}: an episode of that id is "
+                                "live; a new episode takes a new id")
+        held = self._episodes.pop((name, ended), (None, 0.0))[0] if ended else None
         if request.episode_start:
             if len(self._episodes) >= MAX_EPISODES:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"environment {name!r}: {MAX_EPISODES} "
@@ -360,12 +387,12 @@ class RewardService(pb_grpc.RewardSandboxServicer):
             if held is None or held not in replicas:
                 self._rotation += 1
                 held = replicas[self._rotation % len(replicas)]
-            self._episodes[episode] = (held, time.monotonic())
+            self._episodes[key] = (held, time.monotonic())
         elif episode:
-            held = self._episodes.get(episode, (None, 0.0))[0]
+            held = self._episodes.get(key, (None, 0.0))[0]
             if held is not None:
-                self._episodes[episode] = (held, time.monotonic())
-                self._episodes.move_to_end(episode)
+                self._episodes[key] = (held, time.monotonic())
+                self._episodes.move_to_end(key)
             else:
                 return pb.ScoreResponse(scores=[pb.Score(status=_wire(Status.CRASH), error="this service holds no "
                                                          "live episode of that id (its process is gone, or it ended)")])
@@ -376,8 +403,9 @@ class RewardService(pb_grpc.RewardSandboxServicer):
         try:
             return await held.score(request, request.timeout_s + HARD_TIMEOUT_MARGIN_S + 10.0)
         except RewardboxError as e:
-            if request.episode_start:
-                self._episodes.pop(episode, None)
+            if request.episode_start:  # it may have started all the same (the answer was lost): end it there
+                self._episodes.pop(key, None)
+                self._end_later(held, name, episode)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"environment {name!r}: its sandbox could not be "
                                 f"reached: {e}")
             raise  # abort raises; for type checkers
@@ -395,14 +423,16 @@ class RewardService(pb_grpc.RewardSandboxServicer):
             if now - used < self.episode_idle_s:
                 return
             del self._episodes[episode]
-            name = next((n for n, rs in self.sandboxes.replicas.items() if replica in rs), None)
-            if name is None:
-                continue
-            log.info("environment %s: ending an episode idle for %.0f s (its trainer is gone?)", name, now - used)
-            end = pb.ScoreRequest(function=name, timeout_s=self.specs[name].timeout_s, episode_end=episode)
-            task = asyncio.ensure_future(self._end_quietly(replica, end))
-            self._endings.add(task)
-            task.add_done_callback(self._endings.discard)
+            log.info("environment %s: ending an episode idle for %.0f s (its trainer is gone?)", episode[0],
+                     now - used)
+            self._end_later(replica, *episode)
+
+    def _end_later(self, replica, name: str, episode: str) -> None:
+        """Sends ``episode``'s end to ``replica`` without waiting for it."""
+        end = pb.ScoreRequest(function=name, timeout_s=self.specs[name].timeout_s, episode_end=episode)
+        task = asyncio.ensure_future(self._end_quietly(replica, end))
+        self._endings.add(task)
+        task.add_done_callback(self._endings.discard)
 
     @staticmethod
     async def _end_quietly(replica, request: pb.ScoreRequest) -> None:
@@ -428,6 +458,13 @@ class RewardService(pb_grpc.RewardSandboxServicer):
         async with self._load_lock:  # ranks starting together send the same source: load it once
             for fn in request.functions:
                 current = self.sandboxes.source(fn.name)
+                live = sum(1 for env, _ in self._episodes if env == fn.name)
+                if (fn.source, fn.function) != (current.source, current.function) and live:
+                    # A new version restarts the environment's processes: every trainer's live episodes would end.
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"environment {fn.name!r} runs another "
+                                        f"version of its source on this service, with {live} live episode(s); it loads "
+                                        "a new version only while none is live. Use the same source as the service "
+                                        f"(its config's {current.filename}), or wait until its episodes end")
                 if (fn.source, fn.function) != (current.source, current.function):
                     new = pb.FunctionSource()
                     new.CopyFrom(current)  # the service's own settings: isolation, workers, warm, limits

@@ -351,3 +351,77 @@ def test_a_service_ends_episodes_left_idle_by_a_trainer_that_went_away(serve, mo
         assert gone.reset(start=5) == "from 5"
         again = asyncio.run(gone.bump(by=1))
         assert again["n"] == 6 and again["pid"] != first["pid"]
+
+
+def test_a_hostile_tenants_raw_episode_requests_leave_no_process_the_service_cannot_end(serve):
+    # Red team (docs/security-log.md): a restart of a live id moved or dropped its entry, an end named for another
+    # environment dropped that one's, a start and an end of one id racing each other left a process no entry
+    # named, and a new trainer's Load restarted every trainer's live episodes. Each leaked process held a slot for
+    # good: the idle sweep ends only what the map names. Afterwards every slot must be free again.
+    import concurrent.futures
+    import json
+    import uuid
+
+    other = COUNTER.replace("class Counter", "class Other")
+    service = serve([{"name": "Counter", "code": COUNTER, "function": "Counter", "style": "environment",
+                      "isolation": "worker", "workers": 2, "replicas": 2},
+                     {"name": "Other", "code": other, "function": "Other", "style": "environment",
+                      "isolation": "worker", "workers": 1}],
+                    token=TOKEN, extra=("--episode-idle-s", "1"))
+    channel = grpc.insecure_channel(service.target)
+    stub = pb_grpc.RewardSandboxStub(channel)
+    metadata = (("authorization", f"Bearer {TOKEN}"),)
+
+    def request(function="Counter", episode="", start=False, end="", method=None, timeout_s=5.0, **args):
+        samples = [] if method is None else [pb.Sample(columns_json=json.dumps({"method": method, "args": args}))]
+        return pb.ScoreRequest(function=function, samples=samples, timeout_s=timeout_s, episode=episode,
+                               episode_start=start, episode_end=end)
+
+    def send(r, timeout=30):
+        try:
+            reply = stub.Score(r, metadata=metadata, timeout=timeout)
+            return [(pb.Status.Name(s.status), s.result_json) for s in reply.scores]
+        except grpc.RpcError as e:
+            return e.code()
+
+    def starts_all(function, n):
+        ids = [uuid.uuid4().hex for _ in range(n)]
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            answers = list(pool.map(lambda e: send(request(function, e, start=True, method="reset", timeout_s=2),
+                                                   timeout=8), ids))
+        for e in ids:
+            send(request(function, end=e))
+        return answers
+
+    live = uuid.uuid4().hex
+    assert send(request(episode=live, start=True, method="reset"))[0][0] == "STATUS_OK"
+    for timeout_s in (5.0, -1.0):  # a restart of a live id, well-formed or refused by the sandbox
+        assert send(request(episode=live, start=True, method="reset", timeout_s=timeout_s)) == \
+            grpc.StatusCode.ALREADY_EXISTS
+    status, before = send(request(episode=live, method="bump", by=1))[0]
+    assert status == "STATUS_OK" and json.loads(before[1:])["n"] == 1  # still mapped, still served
+    held = uuid.uuid4().hex
+    send(request("Other", held, start=True, method="reset"))
+    send(request(episode=uuid.uuid4().hex, start=True, end=held, method="reset"))  # an end named for Other's id
+    assert send(request("Other", held, method="bump", by=2))[0][0] == "STATUS_OK"
+    # a new version while episodes live: refused, and nothing ends
+    source = pb.FunctionSource(name="Counter", filename="counter2.py", source=COUNTER + "\n# v2\n",
+                               function="Counter", style=pb.Style.Value("STYLE_ENVIRONMENT"))
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Load(pb.LoadRequest(functions=[source]), metadata=metadata, timeout=30)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "live episode" in refused.value.details()
+    status, after = send(request(episode=live, method="bump", by=1))[0]
+    assert status == "STATUS_OK" and json.loads(after[1:]) == {"n": 2, "pid": json.loads(before[1:])["pid"]}
+    for _ in range(4):  # starts, ends and calls of one id at once
+        x = uuid.uuid4().hex
+        racing = [request(episode=x, start=True, method="reset"), request(end=x),
+                  request(episode=x, method="bump", by=1), request(episode=x, start=True, end=x, method="reset"),
+                  request(end=x)]
+        with concurrent.futures.ThreadPoolExecutor(len(racing)) as pool:
+            list(pool.map(send, racing))
+    time.sleep(1.5)  # past --episode-idle-s: the next request's sweep ends whatever the map still names
+    assert starts_all("Other", 1) == [[("STATUS_OK", 'j"from 0"')]]
+    time.sleep(0.5)
+    assert starts_all("Counter", 4) == [[("STATUS_OK", 'j"from 0"')]] * 4  # every slot free again
+    channel.close()
