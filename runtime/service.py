@@ -32,6 +32,7 @@ import ctypes
 import hmac
 import ipaddress
 import logging
+import math
 import os
 import platform
 import resource
@@ -289,6 +290,7 @@ class RewardService(pb_grpc.RewardSandboxServicer):
         # by episode id; an episode's end removes it. Bounded: a start past MAX_EPISODES live is refused.
         self._episodes: collections.OrderedDict = collections.OrderedDict()  # (env, id) -> (replica, last request)
         self._episode_locks: dict = {}  # (env, id) -> [lock, requests holding or waiting for it]
+        self._load_gates: dict[str, asyncio.Lock] = {}  # environment -> held while its map changes or it loads
         self._rotation = 0
         self._endings: set = set()  # tasks ending idle episodes
 
@@ -352,6 +354,9 @@ class RewardService(pb_grpc.RewardSandboxServicer):
                                 "characters")
         if (episode and len(request.samples) != 1) or (request.episode_start and not episode):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an episode's request carries its id and one call")
+        if not (math.isfinite(request.timeout_s) and request.timeout_s > 0):  # refused there after the map changed
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "timeout_s must be a positive number of seconds")
+        request.timeout_s = min(request.timeout_s, self.specs[name].timeout_s)  # the service's own limit
         keys = sorted({(name, e) for e in (episode, ended) if e})
         async with contextlib.AsyncExitStack() as stack:
             for key in keys:  # in one order: no two requests wait on each other
@@ -373,55 +378,77 @@ class RewardService(pb_grpc.RewardSandboxServicer):
     async def _route(self, request: pb.ScoreRequest, context) -> pb.ScoreResponse:
         name, episode, ended = request.function, request.episode, request.episode_end
         replicas = self.sandboxes.replicas[name]
-        self._end_idle_episodes()
         key = (name, episode)
-        if request.episode_start and key in self._episodes:  # before the map is touched: the live one stays mapped
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"environment {name!r}: an episode of that id is "
-                                "live; a new episode takes a new id")
-        held = self._episodes.pop((name, ended), (None, 0.0))[0] if ended else None
-        if request.episode_start:
-            if len(self._episodes) >= MAX_EPISODES:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"environment {name!r}: {MAX_EPISODES} "
-                                    "episodes are live on this service; end some (the next reset of an instance "
-                                    "ends its last)")
-            if held is None or held not in replicas:
-                self._rotation += 1
-                held = replicas[self._rotation % len(replicas)]
-            self._episodes[key] = (held, time.monotonic())
-        elif episode:
-            held = self._episodes.get(key, (None, 0.0))[0]
-            if held is not None:
+        async with self._loading(name):  # no episode starts while a new version loads (it would end with the old)
+            self._end_idle_episodes()
+            if request.episode_start and key in self._episodes:  # refused before the map changes
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"environment {name!r}: an episode of that id "
+                                    "is live; a new episode takes a new id")
+            ending = self._episodes.pop((name, ended), (None, 0.0))[0] if ended else None
+            held = ending
+            if request.episode_start:
+                if len(self._episodes) >= MAX_EPISODES:
+                    if ending is not None:
+                        self._end_later(ending, name, ended)
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"environment {name!r}: "
+                                        f"{MAX_EPISODES} episodes are live on this service; end some (the next reset "
+                                        "of an instance ends its last)")
+                if held is None or held not in replicas:
+                    self._rotation += 1
+                    held = replicas[self._rotation % len(replicas)]
                 self._episodes[key] = (held, time.monotonic())
-                self._episodes.move_to_end(key)
-            else:
-                return pb.ScoreResponse(scores=[pb.Score(status=_wire(Status.CRASH), error="this service holds no "
-                                                         "live episode of that id (its process is gone, or it ended)")])
-        elif held is None:
-            return pb.ScoreResponse()  # the end of an episode no replica holds: nothing to end
+            elif episode:
+                held = self._episodes.get(key, (None, 0.0))[0]
+                if held is None:
+                    return pb.ScoreResponse(scores=[pb.Score(status=_wire(Status.CRASH), error="this service holds "
+                                                             "no live episode of that id (its process is gone, or it "
+                                                             "ended)")])
+            elif held is None:
+                return pb.ScoreResponse()  # the end of an episode no replica holds: nothing to end
         self.active += 1
         self._idle.clear()
+        answered = False
         try:
-            return await held.score(request, request.timeout_s + HARD_TIMEOUT_MARGIN_S + 10.0)
+            reply = await held.score(request, request.timeout_s + HARD_TIMEOUT_MARGIN_S + 10.0)
+            answered = True
+            return reply
         except RewardboxError as e:
-            if request.episode_start:  # it may have started all the same (the answer was lost): end it there
-                self._episodes.pop(key, None)
-                self._end_later(held, name, episode)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"environment {name!r}: its sandbox could not be "
                                 f"reached: {e}")
             raise  # abort raises; for type checkers
         finally:
+            if not answered:  # failed, or cancelled by its client: what it started or ended may have happened there
+                if request.episode_start:
+                    self._episodes.pop(key, None)
+                    self._end_later(held, name, episode)
+                if ending is not None:
+                    self._end_later(ending, name, ended)
+            elif key in self._episodes:  # its last request: idle from its end, not its start
+                self._episodes[key] = (held, time.monotonic())
+                self._episodes.move_to_end(key)
             self.active -= 1
             if not self.active:
                 self._idle.set()
+
+    def _loading(self, name: str) -> asyncio.Lock:
+        """The lock a new version of environment ``name`` loads under, and that routing takes to change the map."""
+        return self._load_gates.setdefault(name, asyncio.Lock())
 
     def _end_idle_episodes(self) -> None:
         """Ends the episodes that had no request for ``episode_idle_s`` (the oldest first: the map is in order of
         use)."""
         now = time.monotonic()
+        busy = []  # episodes with a request under way or waiting: idle from when it ends
         while self._episodes:
             episode, (replica, used) = next(iter(self._episodes.items()))
             if now - used < self.episode_idle_s:
-                return
+                break
+            if episode in self._episode_locks:
+                busy.append(episode)
+                self._episodes.move_to_end(episode)
+                if len(busy) >= len(self._episodes):
+                    break
+                continue
             del self._episodes[episode]
             log.info("environment %s: ending an episode idle for %.0f s (its trainer is gone?)", episode[0],
                      now - used)
@@ -457,25 +484,30 @@ class RewardService(pb_grpc.RewardSandboxServicer):
         infos = []
         async with self._load_lock:  # ranks starting together send the same source: load it once
             for fn in request.functions:
-                current = self.sandboxes.source(fn.name)
-                live = sum(1 for env, _ in self._episodes if env == fn.name)
-                if (fn.source, fn.function) != (current.source, current.function) and live:
-                    # A new version restarts the environment's processes: every trainer's live episodes would end.
-                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"environment {fn.name!r} runs another "
-                                        f"version of its source on this service, with {live} live episode(s); it loads "
-                                        "a new version only while none is live. Use the same source as the service "
-                                        f"(its config's {current.filename}), or wait until its episodes end")
-                if (fn.source, fn.function) != (current.source, current.function):
-                    new = pb.FunctionSource()
-                    new.CopyFrom(current)  # the service's own settings: isolation, workers, warm, limits
-                    new.source, new.filename, new.function = fn.source, fn.filename, fn.function
-                    try:
-                        await asyncio.to_thread(self.sandboxes.load_source, fn.name, new)
-                    except RewardLoadError as e:
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                    log.warning("reward %s: a client loaded a new version (%s)", fn.name, fn.filename)
-                infos.append(self.sandboxes[fn.name].info)
+                async with self._loading(fn.name):  # no episode starts meanwhile (environments route under it)
+                    infos.append(await self._load_one(fn, context))
         return pb.LoadResponse(functions=[i for i in infos if i is not None])
+
+    async def _load_one(self, fn: pb.FunctionSource, context):
+        """Loads ``fn`` unless it is what runs already; returns its info."""
+        current = self.sandboxes.source(fn.name)
+        if (fn.source, fn.function) == (current.source, current.function):
+            return self.sandboxes[fn.name].info
+        live = sum(1 for env, _ in self._episodes if env == fn.name)
+        if live:  # a new version restarts the environment's processes: every trainer's live episodes would end
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"environment {fn.name!r} runs another version "
+                                f"of its source on this service, with {live} live episode(s); it loads a new version "
+                                "only while none is live. Use the source the service runs (its config's "
+                                f"{current.filename}, unless a client loaded another), or wait until its episodes end")
+        new = pb.FunctionSource()
+        new.CopyFrom(current)  # the service's own settings: isolation, workers, warm, limits
+        new.source, new.filename, new.function = fn.source, fn.filename, fn.function
+        try:
+            await asyncio.to_thread(self.sandboxes.load_source, fn.name, new)
+        except RewardLoadError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        log.warning("reward %s: a client loaded a new version (%s)", fn.name, fn.filename)
+        return self.sandboxes[fn.name].info
 
     async def Describe(self, request: pb.DescribeRequest, context) -> pb.DescribeResponse:
         return pb.DescribeResponse(

@@ -354,9 +354,10 @@ def test_a_service_ends_episodes_left_idle_by_a_trainer_that_went_away(serve, mo
 
 
 def test_a_hostile_tenants_raw_episode_requests_leave_no_process_the_service_cannot_end(serve):
-    # Red team (docs/security-log.md): a restart of a live id moved or dropped its entry, an end named for another
-    # environment dropped that one's, a start and an end of one id racing each other left a process no entry
-    # named, and a new trainer's Load restarted every trainer's live episodes. Each leaked process held a slot for
+    # Red teams (docs/security-log.md): a restart of a live id moved or dropped its entry, an end named for another
+    # environment dropped that one's, a start and an end of one id racing each other, an end the sandbox refused
+    # and a start its client gave up on left a process no entry named, and a new trainer's Load restarted every
+    # trainer's live episodes. Each leaked process held a slot for
     # good: the idle sweep ends only what the map names. Afterwards every slot must be free again.
     import concurrent.futures
     import json
@@ -395,9 +396,11 @@ def test_a_hostile_tenants_raw_episode_requests_leave_no_process_the_service_can
 
     live = uuid.uuid4().hex
     assert send(request(episode=live, start=True, method="reset"))[0][0] == "STATUS_OK"
-    for timeout_s in (5.0, -1.0):  # a restart of a live id, well-formed or refused by the sandbox
+    assert send(request(episode=live, start=True, method="reset")) == grpc.StatusCode.ALREADY_EXISTS  # a restart
+    for timeout_s in (-1.0, 0.0, float("nan"), float("inf")):  # what the sandbox would refuse after the map changed
         assert send(request(episode=live, start=True, method="reset", timeout_s=timeout_s)) == \
-            grpc.StatusCode.ALREADY_EXISTS
+            grpc.StatusCode.INVALID_ARGUMENT
+        assert send(request(end=live, timeout_s=timeout_s)) == grpc.StatusCode.INVALID_ARGUMENT
     status, before = send(request(episode=live, method="bump", by=1))[0]
     assert status == "STATUS_OK" and json.loads(before[1:])["n"] == 1  # still mapped, still served
     held = uuid.uuid4().hex
@@ -420,6 +423,12 @@ def test_a_hostile_tenants_raw_episode_requests_leave_no_process_the_service_can
                   request(end=x)]
         with concurrent.futures.ThreadPoolExecutor(len(racing)) as pool:
             list(pool.map(send, racing))
+    for deadline in (0.001, 0.003, 0.01) * 10:  # starts their own clients give up on (round 2)
+        try:
+            stub.Score(request(episode=uuid.uuid4().hex, start=True, method="reset"), metadata=metadata,
+                       timeout=deadline)
+        except grpc.RpcError:
+            pass
     time.sleep(1.5)  # past --episode-idle-s: the next request's sweep ends whatever the map still names
     assert starts_all("Other", 1) == [[("STATUS_OK", 'j"from 0"')]]
     time.sleep(0.5)
