@@ -76,22 +76,15 @@ class CallLog:
             self._notes.append(call)
 
     def take(self, name: str, arguments: Any, shown: str) -> Optional[ToolCall]:
-        """The oldest note of a call to ``name`` with these arguments that showed ``shown`` (or, where none did, the
-        oldest with these arguments), removed; None when there is none."""
+        """The oldest note of a call to ``name`` with these arguments that showed ``shown``, removed; None when there
+        is none (a note that showed something else is another call's: an ok ``add(1, 2)`` of an earlier run must not
+        lend its status to this one's error)."""
         key, shown_digest = _digest(arguments_key(arguments)), _digest(shown)
         with self._lock:
-            fallback = None
             for i, call in enumerate(self._notes):
-                if call.name == name and call.arguments == key:
-                    if call.shown == shown_digest:
-                        del self._notes[i]
-                        return call
-                    if fallback is None:
-                        fallback = i
-            if fallback is not None:
-                call = self._notes[fallback]
-                del self._notes[fallback]
-                return call
+                if call.name == name and call.arguments == key and call.shown == shown_digest:
+                    del self._notes[i]
+                    return call
         return None
 
     def __len__(self) -> int:
