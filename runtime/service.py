@@ -438,15 +438,15 @@ class RewardService(pb_grpc.RewardSandboxServicer):
         """Ends the episodes that had no request for ``episode_idle_s`` (the oldest first: the map is in order of
         use)."""
         now = time.monotonic()
-        busy = []  # episodes with a request under way or waiting: idle from when it ends
+        busy = 0  # episodes with a request under way or waiting (moved to the end: idle from when it ends)
         while self._episodes:
             episode, (replica, used) = next(iter(self._episodes.items()))
             if now - used < self.episode_idle_s:
                 break
             if episode in self._episode_locks:
-                busy.append(episode)
+                busy += 1
                 self._episodes.move_to_end(episode)
-                if len(busy) >= len(self._episodes):
+                if busy >= len(self._episodes):
                     break
                 continue
             del self._episodes[episode]

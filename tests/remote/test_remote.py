@@ -4,6 +4,7 @@ and a token, real sandboxes behind them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -300,19 +301,27 @@ class Counter:
 """
 
 
-def test_environments_served_by_a_shared_service_keep_each_episode_on_the_process_that_holds_it(serve, monkeypatch):
+@contextlib.contextmanager
+def _counter_served(serve, monkeypatch, workers: int, max_episodes: int, replicas: int = 1, extra: tuple = ()):
+    """A service serving COUNTER as an environment (``workers`` episodes per replica), and a trainer's factory of
+    its proxies through the remote backend."""
     from rewardbox import sandboxed_environment
     from tests.remote.conftest import TOKEN_ENV
 
-    # two replicas behind the service: an episode's calls must reach the one holding it
     service = serve([{"name": "Counter", "code": COUNTER, "function": "Counter", "style": "environment",
-                      "isolation": "worker", "workers": 4, "replicas": 2}], token=TOKEN)
+                      "isolation": "worker", "workers": workers, "replicas": replicas}], token=TOKEN, extra=extra)
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
     namespace: dict = {}
     exec(COUNTER, namespace)
     remote = {"endpoints": [service.target], "token_env": TOKEN_ENV}
     with sandboxed_environment(namespace["Counter"], sandbox={"backend": "remote", "remote": remote},
-                               max_episodes=4) as factory:
+                               max_episodes=max_episodes) as factory:
+        yield factory
+
+
+def test_environments_served_by_a_shared_service_keep_each_episode_on_the_process_that_holds_it(serve, monkeypatch):
+    # two replicas behind the service: an episode's calls must reach the one holding it
+    with _counter_served(serve, monkeypatch, workers=4, max_episodes=4, replicas=2) as factory:
         instances = [factory() for _ in range(4)]
         for round_ in range(3):
             assert [env.reset(start=10 * i) for i, env in enumerate(instances)] == [f"from {10 * i}" for i in range(4)]
@@ -330,17 +339,9 @@ def test_environments_served_by_a_shared_service_keep_each_episode_on_the_proces
 
 
 def test_a_service_ends_episodes_left_idle_by_a_trainer_that_went_away(serve, monkeypatch):
-    from rewardbox import ToolError, sandboxed_environment
-    from tests.remote.conftest import TOKEN_ENV
+    from rewardbox import ToolError
 
-    service = serve([{"name": "Counter", "code": COUNTER, "function": "Counter", "style": "environment",
-                      "isolation": "worker", "workers": 2}], token=TOKEN, extra=("--episode-idle-s", "1"))
-    monkeypatch.setenv(TOKEN_ENV, TOKEN)
-    namespace: dict = {}
-    exec(COUNTER, namespace)
-    remote = {"endpoints": [service.target], "token_env": TOKEN_ENV}
-    with sandboxed_environment(namespace["Counter"], sandbox={"backend": "remote", "remote": remote},
-                               max_episodes=2) as factory:
+    with _counter_served(serve, monkeypatch, workers=2, max_episodes=2, extra=("--episode-idle-s", "1")) as factory:
         gone, other = factory(), factory()
         gone.reset()
         first = asyncio.run(gone.bump(by=1))
