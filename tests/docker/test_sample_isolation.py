@@ -600,7 +600,9 @@ def test_what_a_samples_own_forks_orphan_is_reaped_while_it_runs(sandboxes):
     # template. A zombie still counts toward the uid's process limit (44 here): left unreaped until the sample ended,
     # they stopped the sample's own forks halfway (EAGAIN; seen as a flaky hostile test). (gVisor forks slowly: 60
     # double forks a sample ran past the 5 s timeout on a slow afternoon, and 32 did in 2 of 4 runs on a day this VM
-    # forked half as fast; 20 still leave more zombies than its limit of 16 processes.)
+    # forked half as fast; 20 still leave more zombies than its limit of 16 processes. In a full suite's run under
+    # gVisor, 2 of 4 such samples still ended ``timeout`` at 5 s: what is tested is the reaping, not the time, so they
+    # run under the patient reward.)
     orphans = textwrap.dedent(f"""
         import os, time
         for _ in range({100 if sandboxes.runtime == "runc" else 20}):
@@ -612,8 +614,8 @@ def test_what_a_samples_own_forks_orphan_is_reaped_while_it_runs(sandboxes):
             time.sleep(0.002)
         score = 1.0
     """)
-    score(sandboxes, "run", ["score = 0.5"] * 2)  # its samples run forked (runc) from now on
-    report = score(sandboxes, "run", [orphans] * 4)
+    score(sandboxes, "run_patient", ["score = 0.5"] * 2)  # its samples run forked (runc) from now on
+    report = score(sandboxes, "run_patient", [orphans] * 4)
     assert report.values == [1.0] * 4 and report.statuses == [Status.OK] * 4, report.errors
 
 
