@@ -44,10 +44,12 @@ SOCKET_BYTES each, not at what they queue; under cgroup v2, kernel memory other 
 
 from __future__ import annotations
 
+import enum
 import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 from . import processes, sockets
@@ -100,6 +102,95 @@ def stop(pid: int, sig: int = signal.SIGSTOP) -> None:
         os.kill(pid, sig)
     except OSError:
         pass
+
+
+class Action(enum.Enum):
+    """What the guard does about one reading past the mark (:func:`decide`)."""
+
+    NONE = "none"  # nothing: no sample holds anything
+    WAIT = "wait"  # what samples hold is under the mark, once it moved by what is no sample's: read again later
+    KILL = "kill"  # the slot that holds the most goes
+    RESTART = "restart"  # killing a sample would free none of what fills the sandbox: it starts afresh
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One reading past the mark, in bytes (what :meth:`Guard.check` read of the usage and of ``/proc``)."""
+
+    use: int  # in use that the kernel cannot give back
+    unheld: int  # of it, held by no process nor any slot's files
+    server_grown: int  # what the server holds past its calm level (Guard._grown)
+    held: dict  # slot uid -> (bytes its processes and files hold together, whether any process of it runs)
+    settling: bool  # within SETTLE_S of the end of a kill: the killed processes' memory may still be coming back
+    just_killed: Optional[int] = None  # the slot killed last, while its processes are dying
+
+
+@dataclass(frozen=True)
+class Calm:
+    """What the guard keeps between readings: the sandbox's limit, its mark, and what no process held at the last
+    calm reading (Guard._calibrate)."""
+
+    limit: int
+    mark: int
+    unheld: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    slot: Optional[int] = None  # KILL: the slot uid
+    moved: int = 0  # WAIT: how far the mark moves, until the next scan
+    why: str = ""  # RESTART: the figures, for the log
+
+
+def decide(reading: Reading, calm: Calm) -> Decision:
+    """The guard's choice past the mark: kill the slot that holds the most, restart the sandbox, or wait (the mark
+    moved by what is no sample's). Plain arithmetic over the two records; the guard reads, then acts on this."""
+    most_unheld = (calm.limit - calm.mark) // 2
+    # What no process held in calm times already (what finished samples left: dentries, sockets in flight) moves
+    # the mark; what appeared since may be a running sample's doing, which it must not buy room with: empty
+    # sockets (kernel memory no queue shows) moved the mark 41 MiB, 32 forks filled it at once, and the
+    # kernel's OOM killer took an innocent before the guard acted (red team).
+    calm_part = min(reading.unheld, calm.unheld, most_unheld)
+    # What the server holds past its calm level is no sample's either: the call's request (about six times the
+    # size of its completions) and its samples' answers and output, until it replies (counted as processes'
+    # memory, thousands of chatty samples grew it 80 MiB and an innocent near the mark was killed for it).
+    # Within the same half margin it moves the mark: weighed from its first MiB as memory that appeared since
+    # calm times, a hog whose own completion was padded made every part of every retry restart, and every
+    # innocent ended unavailable. Past that half margin it is weighed so, as ``excess`` (a batch of padded
+    # completions, held several times over, got a 400 MiB innocent killed). (Red teams, runc.)
+    grown = reading.server_grown
+    moved = min(grown, most_unheld - calm_part)  # how far it moves the mark: half the margin at most
+    left = calm_part + moved
+    excess = grown - moved  # what the server grew by past the moved mark
+    since = reading.unheld - calm_part + excess  # no sample's, appeared since calm times, not in the moved mark
+    use = reading.use
+    why = f"{use / _MIB:.0f} of the sandbox's {calm.limit / _MIB:.0f} MiB in use, {reading.unheld / _MIB:.0f} " \
+          f"MiB of it held by no process nor any sample's files, {grown / _MIB:.0f} MiB more by the server than " \
+          f"in calm times"
+    if not reading.settling and reading.unheld >= most_unheld:
+        # Killing a sample would free none of it (gVisor keeps Unix sockets sent over themselves and what rides
+        # in them; dentries), would take an innocent (red teams), and it leaves too little of the margin.
+        return Decision(Action.RESTART, why=why)
+    if use - left < calm.mark:
+        # What samples hold is under the mark: what no process held in calm times, and what the server holds past
+        # its calm level, are no sample's to pay for.
+        return Decision(Action.WAIT, moved=left)
+    if not reading.settling and (since >= max(MIN_MARGIN_BYTES, use - left - calm.mark)
+                                 or 0 < excess >= use - left - calm.mark):
+        # What no process holds (or the server past the moved mark) takes the use past the mark, and appeared
+        # since calm times: killing a sample would free none of it and take an innocent. Less than
+        # MIN_MARGIN_BYTES of the kernel's own is memory coming and going with the samples' work (pipes,
+        # processes; a program's output through the runner took 5 MiB). The server's figure is exact: any of its
+        # excess that does so restarts (held to MIN_MARGIN_BYTES too, 64 KiB completions grew the server 90 MiB
+        # and a 787 MiB innocent was killed in 6 of 10 batches: red team).
+        return Decision(Action.RESTART, why=why)
+    # The slot just killed that runs no process yet: what is counted for it are the killed sample's files.
+    candidates = {slot: total for slot, (total, running) in reading.held.items()
+                  if not (slot == reading.just_killed and not running)}
+    if not candidates:
+        return Decision(Action.NONE)
+    return Decision(Action.KILL, slot=max(candidates, key=lambda slot: candidates[slot]))
 
 
 class Guard:
@@ -163,7 +254,8 @@ class Guard:
         """Reads the usage; past the mark, kills the slot that holds the most, when what processes hold takes the use
         past it on its own (unless one is being killed, or the last one's memory may still be coming back). Returns
         the slot uid it started killing, RESTART when what no process holds is half the margin or more, or appeared
-        since calm times and takes the use past the mark on its own (the sandbox must start afresh), or None."""
+        since calm times and takes the use past the mark on its own (the sandbox must start afresh), or None. It
+        reads here and acts on :func:`decide`'s choice."""
         now = self.clock()
         try:
             pressure = self.usage.pressure()
@@ -223,56 +315,25 @@ class Guard:
             self.scan_s = time.monotonic() - started
             unheld, pressure = min((self._unheld(use, found, kernel), use) for use, kernel in (before, after))
         totals = found.totals
-        _, new_pids, new_monitors = totals.get(self.last_killed, (0, [], []))
-        if dying and not new_pids and not new_monitors:
-            # The slot just killed runs no process yet: what is counted for it are the killed sample's files.
-            totals.pop(self.last_killed, None)
-        slot, (most, pids, monitors) = max(totals.items(), key=lambda item: item[1][0]) if totals \
-            else (None, (0, [], []))
-        # What no process held in calm times already (what finished samples left: dentries, sockets in flight) moves
-        # the mark; what appeared since may be a running sample's doing, which it must not buy room with: empty
-        # sockets (kernel memory no queue shows) moved the mark 41 MiB, 32 forks filled it at once, and the
-        # kernel's OOM killer took an innocent before the guard acted (red team).
-        calm = min(unheld, self.calm_unheld, most_unheld)
-        # What the server holds past its calm level is no sample's either: the call's request (about six times the
-        # size of its completions) and its samples' answers and output, until it replies (counted as processes'
-        # memory, thousands of chatty samples grew it 80 MiB and an innocent near the mark was killed for it).
-        # Within the same half margin it moves the mark: weighed from its first MiB as memory that appeared since
-        # calm times, a hog whose own completion was padded made every part of every retry restart, and every
-        # innocent ended unavailable. Past that half margin it is weighed so, as ``excess`` (a batch of padded
-        # completions, held several times over, got a 400 MiB innocent killed). (Red teams, runc.)
-        grown = self._grown(found)
-        moved = min(grown, most_unheld - calm)  # how far it moves the mark: half the margin at most
-        left = calm + moved
-        excess = grown - moved  # what the server grew by past the moved mark
-        since = unheld - calm + excess  # no sample's, appeared since calm times, not in the moved mark
-        why = f"{pressure / _MIB:.0f} of the sandbox's {self.usage.limit / _MIB:.0f} MiB in use, {unheld / _MIB:.0f} " \
-              f"MiB of it held by no process nor any sample's files, {grown / _MIB:.0f} MiB more by the server than " \
-              f"in calm times"
-        if now >= self.settle_until and unheld >= most_unheld:
-            # Killing a sample would free none of it (gVisor keeps Unix sockets sent over themselves and what rides
-            # in them; dentries), would take an innocent (red teams), and it leaves too little of the margin.
-            return self._restart(why, totals)
-        if pressure - left < self.mark:
-            # What samples hold is under the mark: what no process held in calm times, and what the server holds past
-            # its calm level, are no sample's to pay for. They move the mark while they last (read again every
-            # MAX_INTERVAL_S or more: they may be freed).
-            self.free_pass, self.next_scan = left, now + max(MAX_INTERVAL_S, 5 * self.scan_s)
-            room = self.mark + left - pressure
+        decision = decide(Reading(use=pressure, unheld=unheld, server_grown=self._grown(found),
+                                  held={slot: (total, bool(pids or monitors))
+                                        for slot, (total, pids, monitors) in totals.items()},
+                                  settling=now < self.settle_until,
+                                  just_killed=self.last_killed if dying else None),
+                          Calm(limit=self.usage.limit, mark=self.mark, unheld=self.calm_unheld))
+        if decision.action is Action.RESTART:
+            return self._restart(decision.why, totals)
+        if decision.action is Action.WAIT:
+            # They move the mark while they last (read again every MAX_INTERVAL_S or more: they may be freed).
+            self.free_pass, self.next_scan = decision.moved, now + max(MAX_INTERVAL_S, 5 * self.scan_s)
+            room = self.mark + decision.moved - pressure
             self.next_check = now + min(self.usage.longest_sleep, max(MIN_INTERVAL_S, room / GROWTH_BYTES_PER_S))
             return None
         self.free_pass = 0
-        if now >= self.settle_until and (since >= max(MIN_MARGIN_BYTES, pressure - left - self.mark)
-                                         or 0 < excess >= pressure - left - self.mark):
-            # What no process holds (or the server past the moved mark) takes the use past the mark, and appeared
-            # since calm times: killing a sample would free none of it and take an innocent. Less than
-            # MIN_MARGIN_BYTES of the kernel's own is memory coming and going with the samples' work (pipes,
-            # processes; a program's output through the runner took 5 MiB). The server's figure is exact: any of its
-            # excess that does so restarts (held to MIN_MARGIN_BYTES too, 64 KiB completions grew the server 90 MiB
-            # and a 787 MiB innocent was killed in 6 of 10 batches: red team).
-            return self._restart(why, totals)
-        if slot is None:
+        slot = decision.slot
+        if decision.action is Action.NONE or slot is None:
             return None
+        most, pids, monitors = totals[slot]
         for pid in pids:  # at once, before the fork of the killer: its memory stops growing now
             self.stop(pid)
         for pid in monitors:  # root's, which the killer cannot reach: the runner starts the slot's next one

@@ -668,3 +668,47 @@ def test_a_bound_charged_for_closed_senders_in_calm_times_moves_no_baseline():
     usage.now = 990 << 20
     clock.t += 1.0
     assert guard.check() == SLOT and killed == [((SLOT, RUN), True)]
+
+
+# memory_guard.decide, from a table: a sandbox of 1 GiB whose mark is 896 MiB (half the margin: 64 MiB). Each row:
+# (what the guard read past the mark: use, unheld, server grown, {slot: (MiB held, runs a process)}, settling, the
+# slot just killed), what no process held in calm times, and the decision (action, slot, MiB the mark moved).
+A, B = SLOT, OTHER_SLOT
+DECISIONS = {
+    "what samples hold passes the mark: the slot that holds the most goes":
+        ((950, 0, 0, {A: (500, True), B: (400, True)}, False, None), 0, ("kill", A, 0)),
+    "half the margin held by no process: a kill would free none of it, the sandbox restarts":
+        ((950, 64, 0, {A: (500, True)}, False, None), 64, ("restart", None, 0)),
+    "while a killed sample's memory comes back, what no process holds restarts nothing":
+        ((950, 64, 0, {A: (500, True)}, True, None), 0, ("kill", A, 0)),
+    "what no process held in calm times moves the mark: under it, nobody dies":
+        ((930, 40, 0, {A: (800, True)}, False, None), 40, ("wait", None, 40)),
+    "what no process holds that appeared since calm times moves no mark, and past the mark on its own restarts":
+        ((920, 40, 0, {A: (800, True)}, False, None), 0, ("restart", None, 0)),
+    "less than MIN_MARGIN_BYTES of new memory no process holds is the samples' work: the largest holder goes":
+        ((950, 20, 0, {A: (100, True), B: (800, True)}, False, None), 0, ("kill", B, 0)),
+    "what the server holds past its calm level moves the mark, within half the margin":
+        ((930, 0, 40, {A: (800, True)}, False, None), 0, ("wait", None, 40)),
+    "the server's excess past the moved mark that takes the use past it restarts":
+        ((980, 0, 84, {A: (800, True)}, False, None), 0, ("restart", None, 0)),
+    "the server's excess short of the use past the mark kills the largest holder":
+        ((1000, 0, 100, {A: (800, True)}, False, None), 0, ("kill", A, 0)),
+    "the slot just killed that runs no process yet holds only its dead sample's files: the next largest goes":
+        ((950, 0, 0, {A: (500, False), B: (100, True)}, True, A), 0, ("kill", B, 0)),
+    "the slot just killed whose next process runs counts as any other":
+        ((950, 0, 0, {A: (500, True), B: (100, True)}, True, A), 0, ("kill", A, 0)),
+    "nothing held by any slot: nothing to kill":
+        ((950, 0, 0, {}, False, None), 0, ("none", None, 0)),
+}
+
+
+@pytest.mark.parametrize("case", DECISIONS)
+def test_the_guards_decision_from_a_reading_past_the_mark(case):
+    (use, unheld, grown, held_mib, settling, just_killed), calm_unheld, expected = DECISIONS[case]
+    reading = memory_guard.Reading(use=use * MIB, unheld=unheld * MIB, server_grown=grown * MIB,
+                                   held={slot: (mib * MIB, running) for slot, (mib, running) in held_mib.items()},
+                                   settling=settling, just_killed=just_killed)
+    decision = memory_guard.decide(reading, memory_guard.Calm(limit=1024 * MIB, mark=896 * MIB,
+                                                              unheld=calm_unheld * MIB))
+    assert (decision.action.value, decision.slot, decision.moved // MIB) == expected
+    assert bool(decision.why) == (decision.action is memory_guard.Action.RESTART)
