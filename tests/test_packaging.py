@@ -45,6 +45,26 @@ def test_the_wheel_holds_one_import_package_and_the_sandbox_files(wheel):
         assert data in names
 
 
+# Each source folder and the import package it becomes (pyproject.toml's package-dir)
+SOURCE_FOLDERS = {"runtime": "rewardbox", "sandbox_image": "rewardbox/sandbox", "proto": "rewardbox/wire",
+                  "trainer": "rewardbox/trainer"}
+
+
+def test_the_wheel_holds_every_module_of_every_source_folder(wheel):
+    # A subpackage missing from pyproject.toml's package list installs nowhere but in an editable checkout
+    # (rewardbox.integrations was missing: verl's entry point failed to import from a wheel)
+    names = set(zipfile.ZipFile(wheel).namelist())
+    missing = []
+    for folder, package in SOURCE_FOLDERS.items():
+        for module in sorted((ROOT / folder).rglob("*.py")):
+            relative = module.relative_to(ROOT / folder)
+            if any(part.startswith(".") or part == "__pycache__" for part in relative.parts):
+                continue
+            if f"{package}/{relative.as_posix()}" not in names:
+                missing.append(f"{folder}/{relative.as_posix()}")
+    assert not missing, f"not in the wheel (add their packages to pyproject.toml): {missing}"
+
+
 def test_the_installed_wheel_exposes_only_rewardbox(venv_python, tmp_path):
     for name in ("runtime", "trainer", "sandbox_image"):
         proc = subprocess.run([str(venv_python), "-c", f"import {name}"], capture_output=True, text=True,
