@@ -33,7 +33,7 @@ score = 0.0
 """
 
 
-# The fast tier (`pytest -m fast`, docs/how-to/run-the-tests.md): every test that needs none of the Docker engine,
+# The fast tier (`pytest -m fast -n 4`, docs/how-to/run-the-tests.md): every test that needs none of the Docker engine,
 # Ray, a browser, verl's environment or a GRPOTrainer run. Decided from what a test uses (its fixtures, transitively),
 # so a new test lands in the right tier without a marker of its own.
 HEAVY_FIXTURES = {"docker_client": "docker", "ray_cluster": "ray", "browser": "browser", "tiny_model": "train",
