@@ -84,7 +84,7 @@ class Forker:
 
     def arm(self) -> None:
         """Before a request's first unit: each SIGCHLD from now on writes a byte into a pipe that the wait for a
-        unit's child watches (:func:`_wait`), so what a unit's forks orphan is reaped at once, as the template does
+        unit's child watches (:meth:`_Unit.wait`), so what a unit's forks orphan is reaped at once, as the template does
         for its slot processes (a fork storm's zombies would otherwise fill the uid's process limit between two
         reaps). Once per request, not per unit: each child puts SIGCHLD back as it was (:func:`_quiet`)."""
         if not self.reaper:
@@ -126,47 +126,12 @@ class Forker:
              waited: Callable[[int], None]) -> Optional[str]:
         child_end, runner_end = runner_socket(self.runner)
         read_end, write_end = os.pipe()
-        handed: list = []  # once the child first wrote to (or closed) its runner socket: whether the runner took it
-
-        def hand_over_runner() -> None:
-            # Only ever called with a runner: its end is what the wait watches (_poller)
-            assert self.runner is not None and runner_end is not None
-            handed.append(hand_over(self.runner, runner_end))
-            if not handed[0]:  # the runner is gone: the child's program calls end now (EOF), not at its deadline
-                runner_end.close()
-
-        reaped: dict = {}  # the wait status of each process reaped while the unit ran (the child's, where it was)
-
-        def reap() -> None:
-            # What the unit's own forks orphan comes to this process (their subreaper): a zombie still counts toward
-            # the uid's process limit, so left unreaped until the unit ends, they would stop its forks halfway.
-            for child, wait_status in processes.exited_children():
-                reaped[child] = wait_status
-
-        watch = cpu_wait.Watch()
-        granted = [0]  # ms the deadline moved
-
-        def extend() -> float:
-            # At the deadline: what the unit's processes waited for a CPU that others held is added to it, up to
-            # cpu_wait.most_forgiven_s in all; the server's deadline for the unit moves with it (whole milliseconds).
-            if handed:  # its programs ran beside it, out of its tree (another uid): its wait may be their doing
-                return 0.0
-            watch.look()
-            allowed_ms = math.ceil(min(watch.forgiven_s(), cpu_wait.most_forgiven_s(timeout_s)) * 1000)
-            extra_ms = allowed_ms - granted[0]
-            if extra_ms < cpu_wait.MIN_EXTENSION_MS:
-                return 0.0
-            granted[0] = allowed_ms
-            waited(extra_ms)
-            return extra_ms / 1000
-
-        first_look = look_interval()
         # All that the wait needs is made before the fork: a page this process writes while the child lives is
         # copied (the child holds the original), several times the cost of the same write once the child is gone.
-        poller = _poller(read_end, self.wake[0], runner_end)
-        os.set_blocking(read_end, False)  # what the child forked may hold the write end after it ended: see _wait
+        unit = _Unit(self.runner, runner_end, read_end, self.wake[0], timeout_s, waited)
+        os.set_blocking(read_end, False)  # what the child forked may hold the write end after it ended: see wait
         try:
-            pid = os.fork()
+            unit.pid = os.fork()
         except OSError as e:
             for fd in (read_end, write_end, *(() if child_end is None else (child_end,))):
                 os.close(fd)
@@ -175,7 +140,7 @@ class Forker:
             send(_failure(samples, max_log_bytes, Status.ERROR,
                           f"rewardbox could not start this sample's process: {e}"), None)
             return None
-        if pid == 0:
+        if unit.pid == 0:
             code = 70
             try:
                 _quiet()  # SIGCHLD's default action, and no wake-up descriptor (it is this process's to close)
@@ -207,23 +172,21 @@ class Forker:
         if child_end is not None:
             os.close(child_end)
         try:
-            started = time.monotonic()
-            failed, why = _wait(poller, read_end, started + timeout_s + START_ALLOWANCE_S, runner_end,
-                                hand_over_runner, reap, self.wake[0], watch.look, extend, started + first_look,
-                                lambda: pid in reaped)
+            failed, why = unit.wait()
         finally:
             # First: nothing of the unit is left (its memory gone with it: what this process writes from here on
             # is no longer copied).
             status, retire = None, None
             try:
-                status = processes.kill_descendants(pid)
+                status = processes.kill_descendants(unit.pid)
             except OSError as e:
                 retire = f"what a sample left could not be removed: {e}"
             os.close(read_end)
             if runner_end is not None:
                 runner_end.close()
-        status = reaped.get(pid, status)
-        if handed and not (handed[0] and self.runner is not None and run_requests.release(self.runner)):
+        status = unit.reaped.get(unit.pid, status)
+        if unit.handed is not None and not (unit.handed and self.runner is not None
+                                            and run_requests.release(self.runner)):
             # Its next process gets a socket of its own, and with it a monitor of its own.
             retire = retire or "the program runner is gone, or did not let go of a finished sample's socket"
         try:
@@ -251,8 +214,8 @@ class Forker:
                 failed, why = Status.INVALID, str(e)
         if failed is Status.TIMEOUT:
             why = f"exceeded timeout_s={timeout_s:g}; the worker was killed"
-            if granted[0]:
-                why += f" ({granted[0] / 1000:.2f} s after it, as long as it waited for a CPU that others held)"
+            if unit.granted_ms:
+                why += f" ({unit.granted_ms / 1000:.2f} s after it, as long as it waited for a CPU that others held)"
         elif failed is Status.INVALID:
             why = f"malformed answer from the worker: {why}"
         else:
@@ -260,6 +223,108 @@ class Forker:
             why = f"worker process died ({details})" if details else "worker process died"
         send(_failure(samples, max_log_bytes, failed, why), retire)
         return retire
+
+
+class _Unit:
+    """One unit's child, as its slot process watches it until it answers, ends or passes its deadline: the pipe its
+    done byte comes through, the SIGCHLD wake-up pipe, the runner's end of its runner socket until the child wants
+    it, what exited of its processes, and how far its deadline moved for waits for a CPU. Made before the fork (see
+    :meth:`Forker._run`); ``pid`` is set by it."""
+
+    def __init__(self, runner: Optional[socket.socket], runner_end: Optional[socket.socket], done: int, woken: int,
+                 timeout_s: float, waited: Callable[[int], None]):
+        self.runner, self.runner_end, self.done, self.woken = runner, runner_end, done, woken
+        self.timeout_s, self.waited = timeout_s, waited
+        self.pid = 0
+        # Once the child first wrote to (or closed) its runner socket: whether the runner took it (None: not yet)
+        self.handed: Optional[bool] = None
+        self.reaped: dict = {}  # the wait status of each process reaped while the unit ran (the child's, where it was)
+        self.watch = cpu_wait.Watch()
+        self.granted_ms = 0  # how far the deadline moved
+        self.first_look = look_interval()
+        self.poller = _poller(done, woken, runner_end)
+
+    def hand_over_runner(self) -> None:
+        """The child wants the runner (or will never call it): its end is the runner's now."""
+        assert self.runner is not None and self.runner_end is not None  # only a runner's end is watched (_poller)
+        self.poller.unregister(self.runner_end)
+        self.handed = hand_over(self.runner, self.runner_end)
+        if not self.handed:  # the runner is gone: the child's program calls end now (EOF), not at its deadline
+            self.runner_end.close()
+
+    def reap(self) -> None:
+        """What the unit's own forks orphan comes to this process (their subreaper): a zombie still counts toward
+        the uid's process limit, so left unreaped until the unit ends, they would stop its forks halfway."""
+        for child, wait_status in processes.exited_children():
+            self.reaped[child] = wait_status
+
+    def ended(self) -> bool:
+        return self.pid in self.reaped
+
+    def extend(self) -> float:
+        """At the deadline: what the unit's processes waited for a CPU that others held is added to it, up to
+        cpu_wait.most_forgiven_s in all; the server's deadline for the unit moves with it (whole milliseconds).
+        Returns how much later it is now (0: it passed)."""
+        if self.handed is not None:  # its programs ran beside it, out of its tree (another uid): its wait may be theirs
+            return 0.0
+        self.watch.look()
+        allowed_ms = math.ceil(min(self.watch.forgiven_s(), cpu_wait.most_forgiven_s(self.timeout_s)) * 1000)
+        extra_ms = allowed_ms - self.granted_ms
+        if extra_ms < cpu_wait.MIN_EXTENSION_MS:
+            return 0.0
+        self.granted_ms = allowed_ms
+        self.waited(extra_ms)
+        return extra_ms / 1000
+
+    def wait(self) -> tuple[Status, str]:
+        """Waits for the child's done byte from the fork on, by the unit's deadline (its timeout_s plus
+        START_ALLOWANCE_S): (ok when it came, timeout when the deadline passed first, crash when the pipe closed
+        without it or the child was reaped without it, invalid when something else came; and what to add).
+        Meanwhile, the first time the child writes to (or closes) its runner socket, it hands that over
+        (:meth:`hand_over_runner`), and it reaps whenever the SIGCHLD pipe is readable. From the first look on, at
+        random moments about REAP_EVERY_S apart by the clock, whatever else woke it, it reaps and looks at the
+        unit's waits for a CPU (cpu_wait); at the deadline, :meth:`extend` may move it."""
+        started = time.monotonic()
+        deadline = started + self.timeout_s + START_ALLOWANCE_S
+        next_look = started + self.first_look
+        while True:
+            now = time.monotonic()
+            if now >= next_look:
+                _drain(self.woken)
+                self.reap()
+                self.watch.look()
+                next_look = now + look_interval()
+                if self.ended():
+                    break
+            left = deadline - now
+            events = self.poller.poll(min(left, next_look - now) * 1000) if left > 0 else []
+            if any(fd == self.done for fd, _ in events):
+                break
+            if any(fd == self.woken for fd, _ in events):
+                _drain(self.woken)
+                self.reap()
+                if self.ended():
+                    # The child wrote its byte before it exited, or never will: the processes it forked may hold
+                    # the pipe open until the deadline (a sample that died beside its forks was a ``timeout`` there).
+                    break
+                continue
+            if not events:
+                if time.monotonic() < deadline:  # a look's moment came
+                    continue
+                later = self.extend()
+                if later:
+                    deadline += later
+                    continue
+                return Status.TIMEOUT, ""
+            # Only the runner's end is watched besides the two pipes (_poller).
+            self.hand_over_runner()
+        try:
+            byte = os.read(self.done, 1)
+        except BlockingIOError:  # the child ended without it
+            byte = b""
+        if not byte:
+            return Status.CRASH, ""
+        return (Status.OK, "") if byte == DONE else (Status.INVALID, f"{byte!r} came where the done byte belongs")
 
 
 def send_with_trailer(sock: socket.socket, answer, trailer: bytes) -> None:
@@ -299,7 +364,7 @@ def hand_over(runner: socket.socket, end: socket.socket) -> bool:
     return True
 
 
-REAP_EVERY_S = 0.02  # while a unit runs, what exited of its processes is reaped about this often (see _wait)
+REAP_EVERY_S = 0.02  # while a unit runs, what exited of its processes is reaped about this often (see _Unit.wait)
 
 
 def look_interval() -> float:
@@ -334,62 +399,6 @@ def _poller(done: int, woken: int, runner_end: Optional[socket.socket]) -> selec
     if runner_end is not None:
         poller.register(runner_end, select.POLLIN)
     return poller
-
-
-def _wait(poller: select.poll, done: int, deadline: float, runner_end: Optional[socket.socket],
-          hand_over_runner: Callable[[], None], reap: Callable[[], None], woken: int,
-          look: Callable[[], None], extend: Callable[[], float], first_look: float,
-          ended: Callable[[], bool]) -> tuple[Status, str]:
-    """Waits for the child's DONE byte on ``done`` (non-blocking): (ok when it came, timeout when the deadline passed
-    first, crash when the pipe closed without it or ``ended()`` says the child was reaped without it, invalid when
-    something else came; and what to add). Meanwhile, the first time
-    the child writes to (or closes) its runner socket, ``hand_over_runner()`` passes the other end, ``runner_end``,
-    to the runner, and ``reap()`` runs whenever ``woken`` (a SIGCHLD wake-up pipe) is readable (``poller`` watches
-    all three: :func:`_poller`). From ``first_look`` on, at random moments about REAP_EVERY_S apart by the clock,
-    whatever else woke it, it reaps and calls ``look()`` (cpu_wait). At the deadline, ``extend()`` returns how much
-    later it is now (0: it passed)."""
-    next_look = first_look
-    while True:
-        now = time.monotonic()
-        if now >= next_look:
-            _drain(woken)
-            reap()
-            look()
-            next_look = now + look_interval()
-            if ended():
-                break
-        left = deadline - now
-        events = poller.poll(min(left, next_look - now) * 1000) if left > 0 else []
-        if any(fd == done for fd, _ in events):
-            break
-        if any(fd == woken for fd, _ in events):
-            _drain(woken)
-            reap()
-            if ended():
-                # The child wrote its byte before it exited, or never will: the processes it forked may hold the
-                # pipe open until the deadline (a sample that died beside its forks was a ``timeout`` there).
-                break
-            continue
-        if not events:
-            if time.monotonic() < deadline:  # a look's moment came
-                continue
-            later = extend()
-            if later:
-                deadline += later
-                continue
-            return Status.TIMEOUT, ""
-        # The child wants the runner (or will never call it): it is the runner's now. Only the runner's end is
-        # watched besides the two pipes (_poller).
-        assert runner_end is not None
-        poller.unregister(runner_end)
-        hand_over_runner()
-    try:
-        byte = os.read(done, 1)
-    except BlockingIOError:  # the child ended without it
-        byte = b""
-    if not byte:
-        return Status.CRASH, ""
-    return (Status.OK, "") if byte == DONE else (Status.INVALID, f"{byte!r} came where the done byte belongs")
 
 
 def _failure(samples: int, max_log_bytes: int, status: Status, error: str) -> bytes:
