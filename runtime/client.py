@@ -5,6 +5,11 @@ exceeded, resource exhausted) recover the replica (restart it if it died, reload
 samples that have no score yet, with exponential backoff and jitter, moving to the next replica on each attempt.
 Samples that never scored get the reward's ``default_score`` with status ``unavailable``. Whatever comes back is
 checked again here: the host trusts no value it did not validate.
+
+One mechanism waits and tries again (:meth:`RewardClient._backoff`, tenacity's, with full jitter): a retry after a
+transient failure, and a wait while a shared service's ``max_in_flight`` budget is full (which uses up no retry).
+Each retry of a sample-style share also sends its samples in more parts (:meth:`RewardClient._attempt`): that is how
+one attempt is laid out, not a retry of its own.
 """
 
 from __future__ import annotations
@@ -13,13 +18,12 @@ import asyncio
 import itertools
 import logging
 import math
-import random
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Optional, Sequence
 
 import grpc
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
 from .errors import BackendError, TransportError
 from .replica import Replica
@@ -70,6 +74,11 @@ class TransientSandboxError(Exception):
     def __init__(self, message: str, recovered: bool = True):
         super().__init__(message)
         self.recovered = recovered
+
+
+class _Deferred(Exception):
+    """A shared service deferred some of a call's samples while its max_in_flight budget was full: they are sent
+    again after a backoff, which uses up no retry."""
 
 
 @dataclass
@@ -210,14 +219,20 @@ class RewardClient:
             sample_seconds=times,
         )
 
-    async def _score_share(self, first: int, share: _Share, trainer_state: Optional[pb.TrainerState]) -> None:
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(self.reward.retries + 1),
+    def _backoff(self, retry: type, stop: Callable[[RetryCallState], bool]) -> AsyncRetrying:
+        """The client's one way to wait and try again: exponential backoff from ``backoff_initial_s`` up to
+        ``backoff_max_s`` with full jitter (so that ranks that failed together do not come back together), after an
+        exception of type ``retry``, until ``stop`` says so; then the last exception is raised."""
+        return AsyncRetrying(
+            stop=stop,
             wait=wait_random_exponential(multiplier=self.settings.backoff_initial_s, max=self.settings.backoff_max_s),
-            retry=retry_if_exception_type(TransientSandboxError),
+            retry=retry_if_exception_type(retry),
             sleep=self._sleep,
             reraise=True,
         )
+
+    async def _score_share(self, first: int, share: _Share, trainer_state: Optional[pb.TrainerState]) -> None:
+        retrying = self._backoff(TransientSandboxError, stop_after_attempt(self.reward.retries + 1))
         try:
             async for attempt in retrying:
                 with attempt:
@@ -324,54 +339,59 @@ class RewardClient:
 
     async def _request(self, replica: Replica, todo: list, share: _Share,
                        trainer_state: Optional[pb.TrainerState]) -> None:
-        """One Score call for ``todo`` (sent again, after a backoff, for what a shared service deferred while its
-        max_in_flight budget was full: waiting for the budget is not a failure and uses up no retry).
+        """One Score call for ``todo``, sent again after a backoff for what a shared service deferred while its
+        max_in_flight budget was full (waiting for the budget is not a failure and uses up no retry), until that
+        wait passes :meth:`max_wait_s`: what is still deferred then ends ``unavailable``.
 
         Raises:
             TransientSandboxError: the call failed, or a shared service could not score some samples.
         """
-        delay, waited = self.settings.backoff_initial_s, 0.0
-        while todo:
-            request = pb.ScoreRequest(function=self.reward.name, samples=[s for _, s in todo],
-                                      timeout_s=self.reward.timeout_s, sample_details=share.details)
-            if trainer_state is not None:
-                request.trainer_state.CopyFrom(trainer_state)
-                request.has_trainer_state = True
-            generation = replica.generation
-            deadline = self.service_deadline_s(len(todo)) if replica.shared else self.deadline_s(len(todo))
-            try:
-                reply = await replica.score(request, timeout_s=deadline)
-            except TransportError as e:
-                if replica.shared and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and _over_message_limit(e):
-                    await self._too_large(replica, todo, share, trainer_state, e)
-                    return
-                if replica.shared and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    deferred, unscored = todo, 0
-                elif e.code in TRANSIENT_CODES or e.code == grpc.StatusCode.FAILED_PRECONDITION:
-                    log.info("reward %s: attempt %d on sandbox %s failed (%s); recovering and retrying",
-                             self.reward.name, share.attempts, replica.name, e)
-                    recovered = await self._recover(replica, generation,
-                                                    reload=e.code == grpc.StatusCode.FAILED_PRECONDITION)
-                    raise TransientSandboxError(f"{replica.name}: {e}", recovered=recovered) from None
-                else:
-                    raise BackendError(f"reward {self.reward.name!r}: sandbox {replica.name} refused the request: "
-                                       f"{e}") from e
-            else:
-                deferred, unscored = self._record(replica, todo, reply, share)
-            if unscored:
-                raise TransientSandboxError(f"{replica.name}: {unscored} sample(s) unavailable there: "
-                                            f"{share.last_error}")
-            if deferred and waited >= self.max_wait_s(replica):
-                message = f"{replica.name}: max_in_flight stayed full for {waited:.0f}s"
-                for i, _ in deferred:
-                    share.outcomes[i] = Outcome.failed(Status.UNAVAILABLE, message)
-                return
-            if deferred:
-                pause = random.uniform(delay / 2, delay)  # jittered, so that waiting ranks do not come back together
-                await self._sleep(pause)
-                waited += pause
-                delay = min(2 * delay, self.settings.backoff_max_s)
-            todo = deferred
+        max_wait_s = self.max_wait_s(replica)
+        waiting = self._backoff(_Deferred, lambda state: state.idle_for >= max_wait_s)
+        try:
+            async for attempt in waiting:
+                with attempt:
+                    todo = await self._call(replica, todo, share, trainer_state)
+                    if todo:
+                        raise _Deferred()
+        except _Deferred:
+            message = f"{replica.name}: max_in_flight stayed full for {max_wait_s:.0f}s"
+            for i, _ in todo:
+                share.outcomes[i] = Outcome.failed(Status.UNAVAILABLE, message)
+
+    async def _call(self, replica: Replica, todo: list, share: _Share,
+                    trainer_state: Optional[pb.TrainerState]) -> list:
+        """One Score call for ``todo``. Returns what a shared service deferred (its budget was full).
+
+        Raises:
+            TransientSandboxError: the call failed, or a shared service could not score some samples.
+        """
+        request = pb.ScoreRequest(function=self.reward.name, samples=[s for _, s in todo],
+                                  timeout_s=self.reward.timeout_s, sample_details=share.details)
+        if trainer_state is not None:
+            request.trainer_state.CopyFrom(trainer_state)
+            request.has_trainer_state = True
+        generation = replica.generation
+        deadline = self.service_deadline_s(len(todo)) if replica.shared else self.deadline_s(len(todo))
+        try:
+            reply = await replica.score(request, timeout_s=deadline)
+        except TransportError as e:
+            if replica.shared and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and _over_message_limit(e):
+                await self._too_large(replica, todo, share, trainer_state, e)
+                return []
+            if replica.shared and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                return todo
+            if e.code in TRANSIENT_CODES or e.code == grpc.StatusCode.FAILED_PRECONDITION:
+                log.info("reward %s: attempt %d on sandbox %s failed (%s); recovering and retrying",
+                         self.reward.name, share.attempts, replica.name, e)
+                recovered = await self._recover(replica, generation,
+                                                reload=e.code == grpc.StatusCode.FAILED_PRECONDITION)
+                raise TransientSandboxError(f"{replica.name}: {e}", recovered=recovered) from None
+            raise BackendError(f"reward {self.reward.name!r}: sandbox {replica.name} refused the request: {e}") from e
+        deferred, unscored = self._record(replica, todo, reply, share)
+        if unscored:
+            raise TransientSandboxError(f"{replica.name}: {unscored} sample(s) unavailable there: {share.last_error}")
+        return deferred
 
     async def _too_large(self, replica: Replica, todo: list, share: _Share,
                          trainer_state: Optional[pb.TrainerState], error: TransportError) -> None:

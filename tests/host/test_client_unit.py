@@ -264,3 +264,32 @@ def test_a_batch_style_call_over_its_share_of_the_sandbox_memory_gets_the_error_
     report = run(s["r"].client.score(build_samples(["p"] * 4, ["x" * (300 << 10)] * 4, {})))
     assert report.statuses == [Status.ERROR] * 4 and not fakes[0].calls
     assert report.errors[0].startswith("the batch's samples are 1.2 MiB, more than one call")
+
+
+class FullService(FakeSandbox):
+    """A shared service whose max_in_flight budget is full: it defers whole calls (RESOURCE_EXHAUSTED)."""
+
+    shared = True
+    max_wait_s = 2.0
+
+
+def test_a_full_budget_is_waited_for_with_backoff_and_uses_up_no_retry(tmp_path):
+    s, [fake] = start(tmp_path, {"retries": 1}, {"backoff_initial_s": 0.1, "backoff_max_s": 0.4},
+                      make=FullService)
+    fake.script = [grpc.StatusCode.RESOURCE_EXHAUSTED] * 3
+    report = run(s["r"].client.score(samples(3)))
+    assert report.statuses == [Status.OK] * 3 and report.attempts == 1 and len(fake.calls) == 4
+    assert len(no_sleep.calls) == 3 and all(0 <= d <= min(0.4, 0.1 * 2 ** (i + 1))
+                                            for i, d in enumerate(no_sleep.calls))
+
+
+def test_samples_a_budget_kept_full_past_max_wait_s_end_unavailable_naming_it(tmp_path):
+    s, [fake] = start(tmp_path, {"retries": 2, "default_score": -1.0}, {"backoff_initial_s": 0.2,
+                                                                          "backoff_max_s": 0.5}, make=FullService)
+    fake.default = lambda request: (_ for _ in ()).throw(TransportError(grpc.StatusCode.RESOURCE_EXHAUSTED, "full"))
+    report = run(s["r"].client.score(samples(2)))
+    assert report.values == [-1.0, -1.0] and report.statuses == [Status.UNAVAILABLE] * 2
+    assert "max_in_flight stayed full for 2s" in report.errors[0] and report.attempts == 1
+    waited = sum(no_sleep.calls)
+    assert FullService.max_wait_s <= waited < FullService.max_wait_s + 0.5
+    assert len(fake.calls) == len(no_sleep.calls) + 1  # a call after each wait
