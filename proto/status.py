@@ -52,7 +52,7 @@ class Outcome(NamedTuple):
     """What became of one sample: a value only when the status is OK (None is a valid OK value). A named tuple:
     one is made per sample on hot paths."""
 
-    value: Union[float, str, None]  # a reward's score; a tool's result, as text (rewardbox.sandbox.codec)
+    value: Union[float, str, None]  # a reward's score; a tool's result, as text (rewardbox.sandbox.protocol.codec)
     status: Status
     error: str = ""
 

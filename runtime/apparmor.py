@@ -2,7 +2,7 @@
 hosts, by default).
 
 Docker confines every container with its ``docker-default`` profile there, and that profile refuses every
-``mount``. The sandbox needs mounts for the private ``/tmp`` of each sample (``sandbox_image/private_tmp.py``):
+``mount``. The sandbox needs mounts for the private ``/tmp`` of each sample (``sandbox_image/confine/private_tmp.py``):
 its first process remounts ``/proc`` with ``hidepid`` before it drops ``SYS_ADMIN``, and each slot process, in a
 user and mount namespace of its own, makes ``/`` private and binds its scratch directory on ``/tmp``. Under
 ``docker-default`` those mounts fail, and ``private_tmp: auto`` leaves ``/tmp`` read-only.
@@ -52,8 +52,8 @@ _BODY = """\
   capability,
   file,
   umount,
-  # The sandbox's private /tmp (rewardbox.sandbox.private_tmp), these mounts and no other (docker-default's "deny
-  # mount" also guards what holds SYS_ADMIN in the host's user namespace: docker-init): its first process remounts
+  # The sandbox's private /tmp (rewardbox.sandbox.confine.private_tmp), these mounts and no other (docker-default's
+  # "deny mount" also guards what holds SYS_ADMIN in the host's user namespace: docker-init): its first process remounts
   # /proc with hidepid before it drops SYS_ADMIN; each slot process, in a user and mount namespace of its own, makes
   # / private and binds its scratch directory (/tmp/slot-<uid>) on /tmp. Reward code is refused mount, umount and
   # unshare by the sandbox's seccomp filter and holds no SYS_ADMIN.

@@ -80,9 +80,10 @@ FLOOR = _PER_FORK + textwrap.dedent(
     import gc, json, mmap, sys, types
     child = lambda i: None
     if sys.argv[1:]:
-        from rewardbox.sandbox import template, slot, worker, execution  # what a template holds
+        from rewardbox.sandbox.processes import template, slot, worker  # what a template holds
+        from rewardbox.sandbox.programs import execution
     if sys.argv[1:2] == ["sample"]:
-        from rewardbox.sandbox import codec
+        from rewardbox.sandbox.protocol import codec
         from rewardbox.wire import Outcome
         with open(sys.argv[2]) as f:
             spec = json.load(f)
@@ -113,7 +114,9 @@ FLOOR = _PER_FORK + textwrap.dedent(
 # running sandbox container (its capabilities and seccomp profile), with a uid no slot uses.
 ISOLATION_FLOOR = _PER_FORK + textwrap.dedent(
     """
-    from rewardbox.sandbox import template, slot, worker, execution, private_tmp
+    from rewardbox.sandbox.processes import template, slot, worker
+    from rewardbox.sandbox.programs import execution
+    from rewardbox.sandbox.confine import private_tmp
     private_tmp.prewarm()
     UID = 64999
     def isolated():

@@ -1,16 +1,16 @@
 """``rewardbox.sandbox``: the reward sandbox, installed in every sandbox image.
 
-The gRPC server (:mod:`.server`) that loads reward functions and scores samples in worker processes
-(:mod:`.pools`, :mod:`.worker`), and the Dockerfile of the sandbox image. It runs inside the Docker image (docker
-backend) or as a local subprocess (local backend) and depends only on grpcio, grpcio-health-checking,
+The gRPC server (:mod:`.server.server`) that loads reward functions and scores samples in worker processes
+(:mod:`.server.pools`, :mod:`.processes.worker`), and the Dockerfile of the sandbox image. It runs inside the Docker
+image (docker backend) or as a local subprocess (local backend) and depends only on grpcio, grpcio-health-checking,
 grpcio-reflection, protobuf and :mod:`rewardbox.wire`: all the sandbox image installs besides the user's
 packages. The host never imports it.
 
 Reward code imports :func:`run` and :func:`run_tests` from here to execute model-written programs
-(:mod:`.execution`).
+(:mod:`.programs.execution`).
 """
 
 from ..wire import VERSION as __version__
-from .execution import LANGUAGES, RunnerUnavailable, RunResult, TestsResult, run, run_tests
+from .programs.execution import LANGUAGES, RunnerUnavailable, RunResult, TestsResult, run, run_tests
 
 __all__ = ["LANGUAGES", "RunResult", "RunnerUnavailable", "TestsResult", "__version__", "run", "run_tests"]

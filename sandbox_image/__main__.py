@@ -16,8 +16,9 @@ import sys
 import time
 from typing import Optional
 
-from . import private_tmp, processes
-from . import supervisor as supervisor_module
+from .confine import private_tmp
+from .processes import tree
+from .processes import supervisor as supervisor_module
 
 
 def _log(level: str, message: str) -> None:
@@ -137,18 +138,18 @@ def main(argv: Optional[list] = None) -> int:
     else:
         pool = supervisor_module.local_pool(os.environ.get("REWARDBOX_STATE_DIR"))
     pid, sock = supervisor_module.start(pool)
-    processes.set_name("rbx-server")
+    tree.set_name("rbx-server")
     import logging  # only now, after the fork (see _log)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s sandbox %(levelname)s %(message)s")
     if args.server_uid is not None and os.getuid() != args.server_uid:
         _become(args.server_uid)
     if args.slot_uids:
-        from . import seccomp
+        from .confine import seccomp
         seccomp.install()  # the server needs no namespaces, mounts, SysV IPC or ptrace either
     import asyncio  # only now, after the fork: importing it loads ssl, which makes every later fork cost more
 
-    from .server import Supervisor, serve  # grpc only now, after the fork
+    from .server.server import Supervisor, serve  # grpc only now, after the fork
 
     supervisor = Supervisor(pid, sock, nproc=args.sample_nproc if args.slot_uids else None,
                             memory=args.sample_memory)

@@ -62,7 +62,7 @@ def test_the_sandbox_and_the_wire_import_only_themselves_and_their_few_dependenc
 
 def test_the_worker_module_loads_nothing_but_the_standard_library():
     # It is preloaded into the sandbox's fork server: what it imports, every worker carries.
-    code = ("import sys; before = set(sys.modules); import rewardbox.sandbox.worker; "
+    code = ("import sys; before = set(sys.modules); import rewardbox.sandbox.processes.worker; "
             "print(sorted({m.split('.')[0] for m in set(sys.modules) - before} - set(sys.stdlib_module_names)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/")
     assert out.returncode == 0, out.stderr
@@ -81,8 +81,9 @@ def test_the_processes_that_fork_samples_carry_no_module_whose_at_fork_handler_r
     (package / "sandbox").symlink_to(ROOT / "sandbox_image")
     (package / "wire").symlink_to(ROOT / "proto")
     code = ("import sys\n"
-            "import rewardbox.sandbox.__main__, rewardbox.sandbox.supervisor, rewardbox.sandbox.template\n"
-            "import rewardbox.sandbox.slot, rewardbox.sandbox.forked, rewardbox.sandbox.execution\n"
+            "import rewardbox.sandbox.__main__, rewardbox.sandbox.processes.supervisor\n"
+            "import rewardbox.sandbox.processes.template, rewardbox.sandbox.processes.slot\n"
+            "import rewardbox.sandbox.processes.forked, rewardbox.sandbox.programs.execution\n"
             "rewardbox.sandbox.__main__._parser().parse_args(['--listen', 'unix:///run/x.sock', '--atomic-kill'])\n"
             "print(sorted(m for m in ('threading', 'random', 'logging', 'asyncio', 'shutil', 'bz2', 'lzma', 'grpc')"
             " if m in sys.modules))\n")
@@ -149,3 +150,15 @@ def test_the_host_package_imports_in_one_direction():
 
     cycles = [cycle_from(name) for name in sorted(graph)]
     assert not any(cycles), [" -> ".join(c + [c[0]]) for c in cycles if c]
+
+
+def test_the_sandbox_and_service_images_get_every_module_of_the_sandbox_with_its_subpackages():
+    from rewardbox.image import image_files, service_files
+
+    sandbox = {path.relative_to(ROOT / "sandbox_image").as_posix() for path in (ROOT / "sandbox_image").rglob("*.py")
+               if "__pycache__" not in path.parts}
+    assert any("/" in name for name in sandbox)  # it has subpackages: the listing must reach into them
+    image, service = image_files(), service_files()
+    assert {f"sandbox/{name}" for name in sandbox} <= set(image)
+    assert {f"sandbox/{name}" for name in sandbox} <= set(service)
+    assert all(path.exists() for path in [*image.values(), *service.values()])

@@ -10,8 +10,8 @@ What a container gets (the docker backend's hardening):
   0700, ``tmpfs_size``), so no sample can write where another can read, and so does the run uid paired with each
   slot (the programs a reward runs); no SysV IPC or message queues;
 - ``private_tmp`` (default ``auto``): each slot process and program sees its own tmpfs on ``/tmp``, in a mount
-  namespace of its own (``sandbox/private_tmp.py``). For that the container also gets ``SYS_ADMIN``, which only
-  opens Docker's seccomp profile to ``unshare``/``mount``: under runc the sandbox drops it in its first process
+  namespace of its own (``sandbox_image/confine/private_tmp.py``). For that the container also gets ``SYS_ADMIN``, which
+  only opens Docker's seccomp profile to ``unshare``/``mount``: under runc the sandbox drops it in its first process
   (docker-init, PID 1, keeps it: it only reaps and forwards signals, and no sandbox uid can signal it), and
   reward code is refused namespaces and mounts by the sandbox's own seccomp filter. Where the host confines
   containers with AppArmor, Docker's default profile refuses those mounts: ``apparmor_profile`` names one that
@@ -90,8 +90,8 @@ class ContainerSpec:
     # directory (mode 0711, root's) by the sandbox itself. In Docker it is one tmpfs, world-writable as a pod's
     # emptyDir is, so a container can stand in for a pod in tests.
     slot_root: Optional[str] = None
-    # A private /tmp for every sample and program (sandbox/private_tmp.py): "auto" (where the host allows it),
-    # "on" (a sandbox that cannot make it stops at start) or "off" (/tmp is read-only, no SYS_ADMIN at all).
+    # A private /tmp for every sample and program (sandbox_image/confine/private_tmp.py): "auto" (where the host allows
+    # it), "on" (a sandbox that cannot make it stops at start) or "off" (/tmp is read-only, no SYS_ADMIN at all).
     private_tmp: str = "off"
     # The containers' AppArmor profile (None: the engine's, docker-default, which refuses the private /tmp's mounts
     # on hosts that enforce AppArmor: rewardbox.apparmor).

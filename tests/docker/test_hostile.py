@@ -48,8 +48,8 @@ def _contamination():
         found.append("a SysV shared memory segment")
     me = os.getuid()
     others = []
-    # The parent may share the uid: a slot process that runs each sample in a child (rewardbox.sandbox.forked), and
-    # runs no reward code itself. Anything else of the uid is a leftover.
+    # The parent may share the uid: a slot process that runs each sample in a child
+    # (rewardbox.sandbox.processes.forked), and runs no reward code itself. Anything else of the uid is a leftover.
     for pid in os.listdir("/proc"):
         if pid.isdigit() and int(pid) not in (os.getpid(), os.getppid()):
             try:
@@ -199,8 +199,8 @@ def test_signals_and_ptrace_reach_no_other_process(hostile_sandboxes):
         os.kill(-1, signal.SIGKILL)  # everything it may signal: only its own uid (kill(-1) spares the caller)
     """, {Status.OK, Status.ERROR, Status.CRASH})
     # ok or error: gVisor answers kill(-1) with ESRCH when it may signal nothing. crash: the sample ran forked
-    # (rewardbox.sandbox.forked) and killed the slot process that forked it, which shares its uid: only its own
-    # sample fails, as every innocent above and after it shows.
+    # (rewardbox.sandbox.processes.forked) and killed the slot process that forked it, which shares its uid: only its
+    # own sample fails, as every innocent above and after it shows.
 
 
 def test_memory_no_process_holds_cannot_be_made(hostile_sandboxes):

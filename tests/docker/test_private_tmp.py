@@ -1,6 +1,6 @@
 """A private, writable /tmp for every sample and every program it runs, in real containers (runc and gVisor):
 rewards that write to /tmp by name work, and nothing one sample puts there reaches another, concurrent or later
-(sandbox_image/private_tmp.py).
+(sandbox_image/confine/private_tmp.py).
 
 Each test asserts the innocent samples' exact values and statuses, not only the guilty ones'.
 """

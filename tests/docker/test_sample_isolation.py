@@ -1,6 +1,6 @@
 """isolation: sample at real batch sizes, in real containers (runc and gVisor): no process that scored a sample scores
-another (sandbox_image/forked.py: each in a child of a slot process that runs no reward code; under gVisor, a slot
-process of its own), and what a finished sample leaves (processes, files, inodes, memory a helper holds for it) is
+another (sandbox_image/processes/forked.py: each in a child of a slot process that runs no reward code; under gVisor, a
+slot process of its own), and what a finished sample leaves (processes, files, inodes, memory a helper holds for it) is
 gone before it can reach a later sample of the batch. Reward state that no event reports (caches, decimal contexts,
 parser objects, library globals) is tests/docker/test_steady_state.py's.
 
@@ -18,7 +18,8 @@ import docker
 import pytest
 
 from rewardbox import build_samples
-from rewardbox.sandbox import memory_guard, pools
+from rewardbox.sandbox.memory import memory_guard
+from rewardbox.sandbox.server import pools
 from rewardbox.wire import Status
 from tests.docker.conftest import sandboxes_on_runtime
 
@@ -168,7 +169,7 @@ def test_a_process_in_which_anything_could_leave_state_never_scores_another_samp
 def test_answers_a_sample_forges_for_the_samples_behind_it_are_never_taken(sandboxes):
     forger = textwrap.dedent("""
         import builtins, os, stat
-        from rewardbox.sandbox import codec, stream
+        from rewardbox.sandbox.protocol import codec, stream
         from rewardbox.wire import Outcome, Status
         builtins.poisoned = True
         forged = b"".join(codec.encode_result([Outcome(99.0, Status.OK)], "", 0, 1000) + stream.Marker.CLEAN
@@ -249,7 +250,7 @@ def test_cpu_burning_leftovers_die_before_later_samples_run(sandboxes):
 def test_memory_a_helper_holds_for_a_sample_is_bounded_and_freed_with_it(sandboxes):
     holder = textwrap.dedent("""
         import os, signal, struct, time
-        from rewardbox.sandbox import execution
+        from rewardbox.sandbox.programs import execution
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         sock = execution._connect().sock
         if os.fork() == 0:
@@ -734,8 +735,8 @@ def test_descriptor_tables_excuse_none_of_what_no_process_holds(sandboxes):
 
 
 def test_each_sample_runs_in_a_child_of_a_slot_process_that_stays(sandboxes):
-    # Under runc, samples run forked (sandbox_image/forked.py): each in a fresh child of a slot process that runs no
-    # reward code itself and serves the next sample too.
+    # Under runc, samples run forked (sandbox_image/processes/forked.py): each in a fresh child of a slot process that
+    # runs no reward code itself and serves the next sample too.
     lineage = "import os\nprint(f'lineage {os.getppid()} {os.getpid()}')\nscore = 0.5"
     score(sandboxes, "run", [lineage] * 8)
     report = score(sandboxes, "run", [lineage] * 96)
@@ -754,7 +755,7 @@ def test_half_a_frame_left_to_the_program_runner_reaches_no_later_sample(sandbox
     # process's, or a forked child's), so later samples of the slot still run programs.
     half = textwrap.dedent("""
         import struct
-        from rewardbox.sandbox import execution
+        from rewardbox.sandbox.programs import execution
         execution._connect().sock.sendall(struct.pack("<Q", 1 << 20) + b'{"language": "pyth')
         score = 1.0
     """)
@@ -795,12 +796,13 @@ def test_a_request_whose_files_cannot_be_written_fails_alone_and_the_runner_serv
 def test_what_a_sample_leaves_in_flight_at_the_program_runner_is_gone_before_the_next_sample(sandboxes):
     # A sample holds a file that fills most of its /tmp (unlinked: emptying /tmp does not free it), asks for a
     # program whose reply it never reads, and sends the file and its own socket over that socket: in flight in the
-    # runner's receive queue, they outlive the sample's processes. The runner now lets go of a sample's socket before the slot's next sample starts,
-    # not once a later sample runs a program. (Red team: a socket left so, set to signal the slot process when it
-    # closed, killed it while it ran an innocent.)
+    # runner's receive queue, they outlive the sample's processes. The runner now lets go of a sample's socket before
+    # the slot's next sample starts, not once a later sample runs a program. (Red team: a socket left so, set to signal
+    # the slot process when it closed, killed it while it ran an innocent.)
     stash = textwrap.dedent("""
         import os, socket, time
-        from rewardbox.sandbox import execution, run_requests
+        from rewardbox.sandbox.programs import execution
+        from rewardbox.sandbox.protocol import run_requests
         fd = os.open("/tmp/held", os.O_RDWR | os.O_CREAT)
         os.write(fd, b"x" * (48 << 20))
         os.unlink("/tmp/held")
@@ -851,7 +853,8 @@ def test_a_sample_cannot_have_a_descriptor_signal_the_process_that_forked_it(san
     # before the slot's next sample starts.
     trap = textwrap.dedent("""
         import fcntl, os, socket, time
-        from rewardbox.sandbox import execution, run_requests
+        from rewardbox.sandbox.programs import execution
+        from rewardbox.sandbox.protocol import run_requests
         sock = execution._connect().sock
         run_requests.write_frame(sock, {
             "language": "python", "code": "import sys; sys.stdout.write('B' * (1 << 20))", "files": {},
@@ -880,7 +883,8 @@ def test_a_lingering_socket_left_at_the_program_runner_holds_up_no_later_sample(
     # team). SO_LINGER now succeeds and changes nothing.
     lingerer = textwrap.dedent("""
         import socket, struct
-        from rewardbox.sandbox import execution, run
+        from rewardbox.sandbox.programs import execution
+        from rewardbox.sandbox import run
         run("print(1)")  # the runner serves this process's socket from now on
         server = socket.socket()
         server.bind(("127.0.0.1", 0))
@@ -910,7 +914,8 @@ def test_bytes_written_to_the_program_runner_while_a_program_runs_end_that_progr
     # program outlived the sample, and the slot's later samples' run() calls waited behind it until they timed out.
     stray = textwrap.dedent("""
         import os, time
-        from rewardbox.sandbox import execution, run
+        from rewardbox.sandbox.programs import execution
+        from rewardbox.sandbox import run
         fd = execution._connect().sock.fileno()
         if os.fork() == 0:
             time.sleep(1.0)
@@ -1051,7 +1056,8 @@ def test_a_sample_that_stops_reading_its_program_runner_holds_up_no_later_sample
     # runner that waited to write the reply served that slot no more; a reply that makes no progress now fails.
     wedge = textwrap.dedent("""
         import socket, time
-        from rewardbox.sandbox import execution, run_requests
+        from rewardbox.sandbox.programs import execution
+        from rewardbox.sandbox.protocol import run_requests
         sock = execution._connect().sock
         code = "import sys; sys.stdout.write('x' * (1 << 20)); sys.stderr.write('y' * (1 << 20))"
         run_requests.write_frame(sock, {
@@ -1098,7 +1104,8 @@ HOLDER = textwrap.dedent("""
 """)
 SENDER = textwrap.dedent("""
     import socket, time
-    from rewardbox.sandbox import execution, run_requests
+    from rewardbox.sandbox.programs import execution
+    from rewardbox.sandbox.protocol import run_requests
     sock = execution._connect().sock
     for _ in range(300):
         try:

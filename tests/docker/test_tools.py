@@ -181,8 +181,8 @@ def run_code(code: str) -> object:
 # done byte and exits: the answer format's checks, and the host's, are all that stand between it and the trainer.
 FORGE = r'''
 import gc, mmap, os, struct
-from rewardbox.sandbox import codec
-from rewardbox.sandbox.stream import ChildMarker
+from rewardbox.sandbox.protocol import codec
+from rewardbox.sandbox.protocol.stream import ChildMarker
 answer = [m for m in gc.get_objects() if isinstance(m, mmap.mmap) and not m.closed and len(m) > 200000][0]
 body = codec._HEADER.pack(codec.MAGIC, 1, 0, 0) + codec._SAMPLE.pack(STATUS, HAS, 0.0, len(TEXT), 0.0) + TEXT
 answer[:4] = struct.pack("<I", len(body))

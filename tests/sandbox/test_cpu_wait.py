@@ -1,5 +1,5 @@
-"""What a unit's processes waited for a CPU that others held (``rewardbox.sandbox.cpu_wait``), measured on real
-processes that compete for one CPU of this machine. The whole path, a hog beside innocents in real containers:
+"""What a unit's processes waited for a CPU that others held (``rewardbox.sandbox.processes.cpu_wait``), measured on
+real processes that compete for one CPU of this machine. The whole path, a hog beside innocents in real containers:
 tests/docker/test_hostile.py::test_busy_processes_of_one_sample_do_not_time_out_the_innocents_beside_it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from rewardbox.sandbox import cpu_wait
+from rewardbox.sandbox.processes import cpu_wait
 
 CPU = min(os.sched_getaffinity(0))
 

@@ -14,7 +14,7 @@ import pytest
 
 from rewardbox import build_samples
 from rewardbox.sandbox import run, run_tests
-from rewardbox.sandbox import run_requests
+from rewardbox.sandbox.protocol import run_requests
 from tests.conftest import run as run_async
 
 
@@ -134,7 +134,7 @@ def test_the_runner_checks_every_field_it_is_sent():
 
 PROBE = """
 import ctypes, errno, platform
-from rewardbox.sandbox import seccomp
+from rewardbox.sandbox.confine import seccomp
 libc = ctypes.CDLL(None, use_errno=True)
 numbers = seccomp._TABLES[platform.machine()][2]
 

@@ -1,6 +1,6 @@
-"""How a slot process sends a forked unit's answer (``rewardbox.sandbox.forked.send_with_trailer``), on real sockets.
-The server closes a request's socket as soon as it has read the last unit's answer and trailer; the template may
-then give that slot process the next request at once. The forked samples themselves, in real containers:
+"""How a slot process sends a forked unit's answer (``rewardbox.sandbox.processes.forked.send_with_trailer``), on real
+sockets. The server closes a request's socket as soon as it has read the last unit's answer and trailer; the template
+may then give that slot process the next request at once. The forked samples themselves, in real containers:
 tests/docker/test_sample_isolation.py and tests/docker/test_hostile.py."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from rewardbox.sandbox import forked
+from rewardbox.sandbox.processes import forked
 
 
 class _ServerReadsAndCloses(socket.socket):

@@ -10,7 +10,7 @@ import textwrap
 
 SCRIPT = textwrap.dedent('''
     import gc, json, os, posix, signal, socket, sys, types
-    from rewardbox.sandbox import import_effects
+    from rewardbox.sandbox.processes import import_effects
 
     REWARD = """
     import gc, os, signal, socket, sys, json
@@ -130,7 +130,7 @@ def test_an_import_that_changes_nothing_leaves_nothing_to_give_back_and_no_watch
     # import (an armed watch once read as the import's own change, and was put back armed in the template).
     script = textwrap.dedent('''
         import types
-        from rewardbox.sandbox import import_effects
+        from rewardbox.sandbox.processes import import_effects
         def load():
             snapshot = import_effects.watch("reward.py", refuse_audit_hooks=True)
             exec(compile("import re\\nPATTERN = re.compile('x')\\n", "reward.py", "exec"), {})

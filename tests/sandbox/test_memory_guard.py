@@ -1,7 +1,7 @@
-"""The memory guard's reading and deciding (``rewardbox.sandbox.memory_guard``), on files laid out as the kernel and
-gVisor lay them out. What it does to real samples near a real container's limit, under runc and gVisor:
-tests/docker/test_sample_isolation.py (``..._dies_near_the_limit_not_an_innocent``, ``test_dentries_...``); what sockets hold:
-tests/sandbox/test_sockets.py."""
+"""The memory guard's reading and deciding (``rewardbox.sandbox.memory.memory_guard``), on files laid out as the kernel
+and gVisor lay them out. What it does to real samples near a real container's limit, under runc and gVisor:
+tests/docker/test_sample_isolation.py (``..._dies_near_the_limit_not_an_innocent``, ``test_dentries_...``); what sockets
+hold: tests/sandbox/test_sockets.py."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from rewardbox.sandbox import memory_guard, memory_use
-from rewardbox.sandbox.memory_guard import Guard
-from rewardbox.sandbox.memory_use import Usage, find_usage, held
-from rewardbox.sandbox.sockets import SocketBytes
+from rewardbox.sandbox.memory import memory_guard, memory_use
+from rewardbox.sandbox.memory.memory_guard import Guard
+from rewardbox.sandbox.memory.memory_use import Usage, find_usage, held
+from rewardbox.sandbox.memory.sockets import SocketBytes
 
 MIB = 1 << 20
 SLOT, RUN, OTHER_SLOT, OTHER_RUN = 100001, 200001, 100002, 200002
@@ -333,7 +333,7 @@ def test_what_the_mark_moved_by_is_read_again_and_growth_past_the_moved_mark_kil
 
 
 def test_what_replaced_tmpfs_held_is_read_from_the_names_their_replacement_left(tmp_path, monkeypatch):
-    from rewardbox.sandbox import private_tmp
+    from rewardbox.sandbox.confine import private_tmp
 
     monkeypatch.setattr(private_tmp, "LEAKS", str(tmp_path))
     assert private_tmp.leaked_bytes() == 0

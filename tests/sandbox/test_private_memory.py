@@ -6,7 +6,7 @@ from __future__ import annotations
 import mmap
 import os
 
-from rewardbox.sandbox import private_memory
+from rewardbox.sandbox.confine import private_memory
 
 
 def _written_in_a_child(view: mmap.mmap) -> None:

@@ -1,13 +1,13 @@
-"""What the sandbox's sockets hold (``rewardbox.sandbox.sockets``), read from this machine's kernel: sock_diag says
-what each uid's sockets queue, and /proc tells sockets a process holds from those in flight. Under gVisor, in a real
-container: tests/docker/test_sample_isolation.py."""
+"""What the sandbox's sockets hold (``rewardbox.sandbox.memory.sockets``), read from this machine's kernel: sock_diag
+says what each uid's sockets queue, and /proc tells sockets a process holds from those in flight. Under gVisor, in a
+real container: tests/docker/test_sample_isolation.py."""
 
 from __future__ import annotations
 
 import os
 import socket
 
-from rewardbox.sandbox import sockets
+from rewardbox.sandbox.memory import sockets
 from tests.conftest import LISTENER_IN_FLIGHT
 
 MIB = 1 << 20

@@ -1,4 +1,4 @@
-"""The server's reading of a slot process's stream (sandbox_image/stream.py), rule by rule from a table of byte
+"""The server's reading of a slot process's stream (sandbox_image/protocol/stream.py), rule by rule from a table of byte
 sequences: well-formed, truncated (the reader waits, and its state says whom a timeout blames), out of order and
 forged (a clear MalformedResult, before anything past a bound is waited for)."""
 
@@ -9,8 +9,8 @@ import struct
 
 import pytest
 
-from rewardbox.sandbox import codec, stream
-from rewardbox.sandbox.stream import Marker, State
+from rewardbox.sandbox.protocol import codec, stream
+from rewardbox.sandbox.protocol.stream import Marker, State
 from rewardbox.wire import Outcome, Status
 
 MAX_LOG = 1000
@@ -229,8 +229,8 @@ def test_a_result_past_its_bound_is_refused_before_it_arrives():
 
 
 def test_the_server_takes_a_result_only_from_a_tool_and_a_score_only_from_a_reward():
-    from rewardbox.sandbox.records import ChunkResult
-    from rewardbox.sandbox.server import _results
+    from rewardbox.sandbox.protocol.records import ChunkResult
+    from rewardbox.sandbox.server.server import _results
 
     answers = ChunkResult(["jtext", 1.0, None, None], [Status.OK, Status.OK, Status.OK, Status.ERROR],
                           ["", "", "", "boom"])

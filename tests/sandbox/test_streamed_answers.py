@@ -1,5 +1,5 @@
-"""The server's reading of a forked request's stream (:mod:`rewardbox.sandbox.codec`), against a template peer that
-speaks the real control channel and stream format and stops where a real slot process can be stopped: the pool's
+"""The server's reading of a forked request's stream (:mod:`rewardbox.sandbox.protocol.codec`), against a template peer
+that speaks the real control channel and stream format and stops where a real slot process can be stopped: the pool's
 own code (``FunctionPool``) reads it over real sockets."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import threading
 
 import pytest
 
-from rewardbox.sandbox import codec, stream
-from rewardbox.sandbox.channel import ChannelClosed, pair, recv, send
-from rewardbox.sandbox.pools import FunctionPool
-from rewardbox.sandbox.records import SampleBatch, WorkerConfig
+from rewardbox.sandbox.protocol import codec, stream
+from rewardbox.sandbox.protocol.channel import ChannelClosed, pair, recv, send
+from rewardbox.sandbox.server.pools import FunctionPool
+from rewardbox.sandbox.protocol.records import SampleBatch, WorkerConfig
 from rewardbox.wire import Outcome, Status
 
 CONFIG = WorkerConfig(name="peer", filename="peer.py", source="", function="f", style="sample", isolation="sample",

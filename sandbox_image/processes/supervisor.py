@@ -9,8 +9,8 @@ and slots share its uid (no isolation, as documented).
 The server asks for a template with ``template`` (the function's config) and receives the template's end of a
 fresh socket pair. Each template gets slots (uid, scratch directory) from the sandbox's pool and returns them when
 it exits. The supervisor dies with the server (PR_SET_PDEATHSIG) and templates die with the supervisor. Between
-messages it runs the memory guard (:mod:`.memory_guard`): near the sandbox's memory limit, the slot whose processes
-hold the most together is killed, not the largest process.
+messages it runs the memory guard (:mod:`..memory.memory_guard`): near the sandbox's memory limit, the slot whose
+processes hold the most together is killed, not the largest process.
 """
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ import stat
 from dataclasses import dataclass
 from typing import Optional
 
-from . import memory_guard, memory_use, private_tmp, template
-from .channel import ChannelClosed, pair, recv, send
-from .records import WorkerConfig
-from .processes import become_subreaper, fork_child, kill_children, set_name, sigchld_wakeup
+from ..confine import private_tmp
+from ..memory import memory_guard, memory_use
+from ..protocol.channel import ChannelClosed, pair, recv, send
+from ..protocol.records import WorkerConfig
+from . import template
 from .slot import SlotSpec
+from .tree import become_subreaper, fork_child, kill_children, set_name, sigchld_wakeup
 
 SLOT_DIR_PREFIX = "/tmp/slot-"  # docker backend: one tmpfs per slot uid, mode 0700, owned by that uid
 

@@ -31,7 +31,8 @@ times takes the use past the mark on its own (MIN_MARGIN_BYTES or more), the sup
 reports NOT_SERVING, and the host starts the sandbox afresh, which frees it. What the server process holds past its
 calm level (the call's request, its samples' answers and output, until it replies: :meth:`Guard._grown`) moves the
 mark as well, within the same half margin; past it, it weighs as what no process holds that appeared since. The
-same happens once slot tmpfs that gVisor could not free (:func:`.private_tmp.renew`) hold a quarter of the limit.
+same happens once slot tmpfs that gVisor could not free (:func:`..confine.private_tmp.renew`) hold a quarter of the
+limit.
 
 It polls: one read of one file (gVisor: a few, kept open) while there is room, more often the closer the mark is
 (the time memory takes to grow to it at GROWTH_BYTES_PER_S, within MIN_INTERVAL_S and MAX_INTERVAL_S, a fifth of
@@ -52,7 +53,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-from . import processes, sockets
+from ..processes import tree
+from . import sockets
 from .memory_use import MAX_INTERVAL_S, MIN_MARGIN_BYTES, Held, Usage, held, sockets_listed
 
 _MIB = 1 << 20
@@ -68,12 +70,12 @@ CALIBRATIONS = 6
 RENEWED_S = 1.0
 RESTART = -1  # what Guard.check returns when the sandbox must start afresh
 # A real uid no sample process has, for the child that kills a slot's processes: a fresh slot process cleaning up
-# after its uid has real uid uid | processes.REAPER_UID_BIT, and the two must not be able to signal each other.
+# after its uid has real uid uid | tree.REAPER_UID_BIT, and the two must not be able to signal each other.
 GUARD_UID_BIT = 1 << 30
 
 
 def kill_group(uids: tuple, atomic: bool, sig: int = signal.SIGKILL) -> int:
-    """Forks a child that kills every process of ``uids`` (see :func:`processes.kill_uid`), or sends them all ``sig``
+    """Forks a child that kills every process of ``uids`` (see :func:`tree.kill_uid`), or sends them all ``sig``
     (kill(-1) as each uid: Linux lets no fork pass it; gVisor, a few times over). Returns its pid."""
     pid = os.fork()
     if pid == 0:
@@ -84,9 +86,9 @@ def kill_group(uids: tuple, atomic: bool, sig: int = signal.SIGKILL) -> int:
                 os.setresuid(0, 0, 0)
                 os.setresuid(uid | GUARD_UID_BIT, uid, 0)
                 if sig == signal.SIGKILL:
-                    processes.kill_uid(uid, atomic=atomic)
+                    tree.kill_uid(uid, atomic=atomic)
                     continue
-                for _ in range(1 if atomic else processes.STABLE_SCANS):
+                for _ in range(1 if atomic else tree.STABLE_SCANS):
                     try:
                         os.kill(-1, sig)
                     except ProcessLookupError:
@@ -196,12 +198,13 @@ def decide(reading: Reading, calm: Calm) -> Decision:
 class Guard:
     """See the module docstring. ``slots``: (slot uid, its directory, run uid or None, its directory) of each slot
     of the sandbox (a directory "" when it is not a tmpfs of its own). The other arguments are where it reads and
-    how it stops and kills (tests pass their own); ``renewed``: :func:`.private_tmp.leaked_bytes` under gVisor."""
+    how it stops and kills (tests pass their own); ``renewed``: :func:`..confine.private_tmp.leaked_bytes` under
+    gVisor."""
 
     def __init__(self, slots: Iterable[tuple], usage: Usage, atomic_kill: bool,
-                 statuses: Callable[[], Iterable] = processes.statuses, stop: Callable[..., None] = stop,
+                 statuses: Callable[[], Iterable] = tree.statuses, stop: Callable[..., None] = stop,
                  kill: Callable[..., int] = kill_group, clock: Callable[[], float] = time.monotonic,
-                 directory_bytes: Callable[[str], int] = processes.unnamed_bytes,
+                 directory_bytes: Callable[[str], int] = tree.unnamed_bytes,
                  renewed: Optional[Callable[[], int]] = None,
                  wait: Callable[[int], object] = lambda pid: os.waitpid(pid, 0),
                  socket_bytes: Callable[[], Optional[dict]] = sockets.bytes_by_uid,

@@ -1,13 +1,13 @@
 """The server's side of one loaded function version: its template process and the requests that run on it.
 
-Each request carries some samples to one slot process over a socket pair of its own (:mod:`.codec`): the worker
-writes a start byte when it takes the request, then its answer. The server starts the request's deadline at that
+Each request carries some samples to one slot process over a socket pair of its own (:mod:`..protocol.codec`): the
+worker writes a start byte when it takes the request, then its answer. The server starts the request's deadline at that
 byte, reads at most the answer's bound, and parses it strictly; a worker that runs past its deadline is killed by
 the template, one that dies without answering is ``crash`` with the exit status the template reports.
 
 - ``isolation: sample``: each sample (a batch-style call: the whole batch) runs in a process of its own, forked from
-  a slot process that runs no reward code on data (:mod:`.forked`), so each starts from the reward module's state
-  after import; a request carries many samples. Where slot processes cannot fork (gVisor, the local backend) and
+  a slot process that runs no reward code on data (:mod:`..processes.forked`), so each starts from the reward module's
+  state after import; a request carries many samples. Where slot processes cannot fork (gVisor, the local backend) and
   under ``isolation: process``, every sample is a request of its own, in a fresh slot process. ``workers`` requests
   run at once (``workers * concurrency`` for async functions), on processes forked ahead.
 - ``isolation: worker``: a batch is cut into one chunk per worker; a chunk whose worker crashed or hung is re-run
@@ -31,10 +31,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
-from ..wire import HARD_TIMEOUT_MARGIN_S, Outcome, Status, TrainerState
-from . import codec, cpu_wait, memory_use, stream
-from .channel import ChannelClosed, recv, send
-from .records import BatchResult, ChunkResult, FunctionInfo, SampleBatch, WorkerConfig
+from ...wire import HARD_TIMEOUT_MARGIN_S, Outcome, Status, TrainerState
+from ..memory import memory_use
+from ..processes import cpu_wait
+from ..protocol import codec, stream
+from ..protocol.channel import ChannelClosed, recv, send
+from ..protocol.records import BatchResult, ChunkResult, FunctionInfo, SampleBatch, WorkerConfig
 
 log = logging.getLogger("rewardbox.sandbox")
 
@@ -58,7 +60,7 @@ class _Exit:
 def _hung_or_crashed(done: Optional[ChunkResult], failed: Optional[Outcome]):
     """A batch-style call whose answer times out every sample hung (its own soft timeout answered): the same as a
     worker killed at its deadline. One whose answer is a crash for every sample died (a forked call's child: its
-    slot process answers for it, :mod:`.forked`): the same as a worker that died."""
+    slot process answers for it, :mod:`..processes.forked`): the same as a worker that died."""
     if done is not None and done.statuses:
         for status in (Status.TIMEOUT, Status.CRASH):
             if all(s == status for s in done.statuses):
@@ -92,7 +94,7 @@ def _killed_twice(outcome) -> Outcome:
 
 @functools.cache
 def _usage() -> Optional[memory_use.Usage]:
-    """The sandbox's memory cgroup (:func:`.memory_use.find_usage`), found once."""
+    """The sandbox's memory cgroup (:func:`..memory.memory_use.find_usage`), found once."""
     return memory_use.find_usage()
 
 
@@ -348,8 +350,8 @@ class FunctionPool:
             return merged
     async def call_episode(self, batch: SampleBatch, timeout_s: float, episode: str, start: bool) -> BatchResult:
         """One call of an episode (style environment), in the slot process that holds the episode (a fresh one when
-        ``start``): the template routes it (:meth:`.template.Template._slot_for`). A call to an episode whose process
-        is gone answers a crash.
+        ``start``): the template routes it (:meth:`..processes.template.Template._slot_for`). A call to an episode whose
+        process is gone answers a crash.
 
         Raises:
             PoolUnavailable: the function's processes are gone.
@@ -619,9 +621,9 @@ class FunctionPool:
     async def _stream(self, ours: socket.socket, request: int, batch: SampleBatch, timeout_s: float,
                       state: Optional[dict], units: Optional[int] = None,
                       texts: Optional[_OutputBudget] = None) -> "_Streamed":
-        """Reads a streamed answer (:mod:`.codec`) unit by unit, each within its own deadline. Forked, units answered
-        before a retiring trailer are kept; the unit running when the slot process died, hung or broke the format
-        gets that status (each answer leaves it before the next unit starts: the unit that ran is the first
+        """Reads a streamed answer (:mod:`..protocol.codec`) unit by unit, each within its own deadline. Forked, units
+        answered before a retiring trailer are kept; the unit running when the slot process died, hung or broke the
+        format gets that status (each answer leaves it before the next unit starts: the unit that ran is the first
         unanswered); the rest are left unscored. Not forked, the one unit's answer, and nothing after it."""
         loop = asyncio.get_running_loop()
         streamed = _Streamed(texts=texts)
@@ -702,8 +704,8 @@ class FunctionPool:
             return None, Outcome.failed(Status.INVALID, f"malformed answer from the worker: {e}")
 
     def _forks(self) -> bool:
-        """Whether streamed requests run forked (:mod:`.forked`): isolation: sample, where the template's slot
-        processes fork (it said so when it loaded the function)."""
+        """Whether streamed requests run forked (:mod:`..processes.forked`): isolation: sample, where the template's
+        slot processes fork (it said so when it loaded the function)."""
         return self.config.isolation == "sample" and self.info.forks
 
     async def _begin(self, ours: socket.socket, request: int, batch: SampleBatch, timeout_s: float,

@@ -30,10 +30,10 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ..wire import (BATCH_KEYWORDS, CALL_STYLES, OPTIONAL_KEYWORDS, TRAINER_OBJECTS, Outcome, Status, TrainerState,
-                    decode_columns, example_of)
+from ...wire import (BATCH_KEYWORDS, CALL_STYLES, OPTIONAL_KEYWORDS, TRAINER_OBJECTS, Outcome, Status, TrainerState,
+                     decode_columns, example_of)
+from ..protocol.records import FunctionInfo, SampleBatch, WorkerConfig
 from . import cpu_wait
-from .records import FunctionInfo, SampleBatch, WorkerConfig
 
 MAX_ERROR_CHARS = 4000
 # The sandbox's own uses, bound at import: a reward that replaces signal's functions does not change its timer.
@@ -283,10 +283,10 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def tool_result(value: Any) -> Outcome:
-    """What a tool returned, as the text a one-sample answer carries (:mod:`.codec`, has value 2): ``"j"`` and its
-    JSON where JSON gives back exactly this value (the host returns the value itself), else ``"s"`` and its
+    """What a tool returned, as the text a one-sample answer carries (:mod:`..protocol.codec`, has value 2): ``"j"`` and
+    its JSON where JSON gives back exactly this value (the host returns the value itself), else ``"s"`` and its
     ``str()`` (the host returns that text: what TRL puts in the conversation, ``str(result)``, is the same)."""
-    from .codec import MAX_RESULT_BYTES
+    from ..protocol.codec import MAX_RESULT_BYTES
     # ASCII JSON (ensure_ascii) either way: a lone surrogate or any other character comes back exactly, where UTF-8
     # would replace it.
     text = None
@@ -305,7 +305,7 @@ def tool_result(value: Any) -> Outcome:
     if size > MAX_RESULT_BYTES:
         return Outcome.failed(Status.INVALID, f"its result takes {size} bytes (as JSON, or its str()), over the "
                                               f"{MAX_RESULT_BYTES >> 10} KiB a tool's result may have in a sandbox")
-    return Outcome(text, Status.OK)  # a tool's result travels as the value (:mod:`.codec`)
+    return Outcome(text, Status.OK)  # a tool's result travels as the value (:mod:`..protocol.codec`)
 
 
 def _timeout(timeout_s: float) -> Outcome:

@@ -13,8 +13,9 @@ evaluated; a result that does not parse exactly is the samples' ``invalid``, nev
     logs (UTF-8)
 
 ``has value`` is 0 (None), 1 (the f64) or 2: a tool's result (``style: tool``), whose text (``"j"`` and JSON, or
-``"s"`` and a str(): :func:`.worker.tool_result`) takes the error's place, up to MAX_RESULT_BYTES; only a one-sample
-answer with status ok carries one (a tool call is a one-sample request), and the server takes it only from a tool.
+``"s"`` and a str(): :func:`..processes.worker.tool_result`) takes the error's place, up to MAX_RESULT_BYTES; only a
+one-sample answer with status ok carries one (a tool call is a one-sample request), and the server takes it only from a
+tool.
 
 The stream these answers travel in (the STARTED byte, and for ``isolation: sample`` and ``process`` the markers
 between answers) is :mod:`.stream`'s.
@@ -28,7 +29,7 @@ import mmap
 import struct
 from typing import Optional, Sequence, Union
 
-from ..wire import Outcome, Status
+from ...wire import Outcome, Status
 from .records import ChunkResult, SampleBatch
 
 MAGIC = b"RBX1"
@@ -43,8 +44,8 @@ LOG_SLACK_BYTES = 4 * 1024  # the "[n more characters dropped]" note and multi-b
 # Statuses a worker may report itself; crash and unavailable are only ever concluded by the server or the host.
 _WORKER_STATUSES = {Status.OK.wire: Status.OK, Status.ERROR.wire: Status.ERROR, Status.TIMEOUT.wire: Status.TIMEOUT,
                     Status.INVALID.wire: Status.INVALID}
-# A forked request's answers (:mod:`.forked`) come from the slot process, which checked each child's answer (with
-# the statuses above) and concludes a crash itself when a child died without one.
+# A forked request's answers (:mod:`..processes.forked`) come from the slot process, which checked each child's answer
+# (with the statuses above) and concludes a crash itself when a child died without one.
 _FORKED_STATUSES = {**_WORKER_STATUSES, Status.CRASH.wire: Status.CRASH}
 
 
@@ -83,8 +84,9 @@ def request_size(prefix: bytes) -> int:
 class Request:
     """A request as a slot process holds it: the bytes after its size, in a memory mapping of their own (never in
     Python's heap), decoded a sample at a time. :meth:`close` unmaps them once the process that scores a unit decoded
-    its own samples, before the reward sees them (a forked child: :mod:`.forked`; a process that scores its one unit
-    itself). So code from one sample never finds the text of the request's other samples in its process's memory.
+    its own samples, before the reward sees them (a forked child: :mod:`..processes.forked`; a process that scores its
+    one unit itself). So code from one sample never finds the text of the request's other samples in its process's
+    memory.
 
     Raises (on construction):
         ValueError: the bytes do not hold a request (the server wrote them: a bug, not an attack).
@@ -309,7 +311,7 @@ def _walk(data, samples: int, max_log_bytes: int, forked: bool) -> tuple[list, i
 
 def check_result(data, samples: int, max_log_bytes: int) -> None:
     """Checks a worker's answer as :func:`decode_result` does, without making a copy of any of it (a forked
-    request's slot process: :mod:`.forked`).
+    request's slot process: :mod:`..processes.forked`).
 
     Raises:
         MalformedResult: anything at all is off.

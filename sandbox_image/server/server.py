@@ -1,8 +1,9 @@
-"""The reward sandbox gRPC server (started by ``python -m rewardbox.sandbox``, see :mod:`.__main__`).
+"""The reward sandbox gRPC server (started by ``python -m rewardbox.sandbox``, see :mod:`..__main__`).
 
 The same server runs inside a Docker container (docker backend) and as a plain subprocess (local backend). It runs
-no reward code: templates import the reward modules and slot processes call them (:mod:`.pools`, :mod:`.template`,
-:mod:`.slot`); the supervisor, its child, starts templates. It trusts nothing a slot process sends.
+no reward code: templates import the reward modules and slot processes call them (:mod:`.pools`,
+:mod:`..processes.template`, :mod:`..processes.slot`); the supervisor, its child, starts templates. It trusts nothing a
+slot process sends.
 """
 
 from __future__ import annotations
@@ -27,26 +28,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from ..wire import (
-    DEFAULT_CONCURRENCY,
-    DEFAULT_MAX_LOG_BYTES,
-    DEFAULT_WARM,
-    DEFAULT_WORKERS,
-    GRPC_OPTIONS,
-    CALL_STYLES,
-    SERVICE_NAME,
-    STYLE_NAMES,
-    VERSION,
-    Outcome,
-    Status,
-    sandbox_slots,
-    trainer_state_from_wire,
-)
-from ..wire.pb import reward_pb2 as pb
-from ..wire.pb import reward_pb2_grpc as pb_grpc
-from .channel import recv, send
+from ...wire import (DEFAULT_CONCURRENCY, DEFAULT_MAX_LOG_BYTES, DEFAULT_WARM, DEFAULT_WORKERS, GRPC_OPTIONS,
+                     CALL_STYLES, SERVICE_NAME, STYLE_NAMES, VERSION, Outcome, Status, sandbox_slots,
+                     trainer_state_from_wire)
+from ...wire.pb import reward_pb2 as pb
+from ...wire.pb import reward_pb2_grpc as pb_grpc
+from ..protocol.channel import recv, send
+from ..protocol.records import SampleBatch, WorkerConfig
 from .pools import FunctionPool, LoadError, PoolUnavailable
-from .records import SampleBatch, WorkerConfig
 
 log = logging.getLogger("rewardbox.sandbox")
 
@@ -70,9 +59,9 @@ def _info(fp: FunctionPool) -> pb.FunctionInfo:
 
 
 def _results(result, tool: bool) -> None:
-    """Checks, in place, that a call's answers carry a tool's result (text in the value's place: :mod:`.codec`)
-    exactly where they must: each ok answer of a tool, no answer of a reward. Either way round is the sample's
-    ``invalid`` (the worker is hostile: it may answer anything the format allows)."""
+    """Checks, in place, that a call's answers carry a tool's result (text in the value's place:
+    :mod:`..protocol.codec`) exactly where they must: each ok answer of a tool, no answer of a reward. Either way round
+    is the sample's ``invalid`` (the worker is hostile: it may answer anything the format allows)."""
     for i, (value, status) in enumerate(zip(result.values, result.statuses)):
         if status is not Status.OK or isinstance(value, str) == tool:
             continue

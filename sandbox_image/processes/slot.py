@@ -12,9 +12,9 @@ code of ours):
    ``oom_score_adj`` 1000 (the OOM killer takes a sample before the server);
 4. whatever an earlier process of this uid left is removed: every process (``setsid`` daemons included), its SysV
    IPC objects and POSIX message queues, the contents of the scratch directory, and (once freed: a port they
-   hold) its sockets left in flight (:meth:`.sockets.UnixSockets.wait_for_in_flight`);
-5. docker backend: its scratch directory is mounted on ``/tmp`` in a mount namespace of its own (:mod:`.private_tmp`)
-   where the container allows it;
+   hold) its sockets left in flight (:meth:`..memory.sockets.UnixSockets.wait_for_in_flight`);
+5. docker backend: its scratch directory is mounted on ``/tmp`` in a mount namespace of its own
+   (:mod:`..confine.private_tmp`) where the container allows it;
 6. cwd, HOME and TMPDIR are the scratch directory (``/tmp`` where it is mounted there).
 
 Then it sends the template one byte (ready) and waits for request sockets. ``isolation: sample``: it runs each
@@ -37,12 +37,15 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ..wire import Outcome, Status, trainer_state_from_dict
-from . import (codec, cpu_wait, execution, forked, import_effects, private_tmp, processes, run_requests, seccomp,
-               sockets, stream, worker)
-from .channel import ChannelClosed, optional_fd, recv
-from .processes import die_with_parent, empty, kill_uid, remove_ipc
-from .records import SampleBatch
+from ...wire import Outcome, Status, trainer_state_from_dict
+from ..confine import private_tmp, seccomp
+from ..memory import sockets
+from ..programs import execution
+from ..protocol import codec, run_requests, stream
+from ..protocol.channel import ChannelClosed, optional_fd, recv
+from ..protocol.records import SampleBatch
+from . import cpu_wait, forked, import_effects, tree, worker
+from .tree import die_with_parent, empty, kill_uid, remove_ipc
 
 READY = stream.SlotMarker.READY  # followed by the IPC mark (u64)
 FAILED = stream.SlotMarker.FAILED  # followed by why (UTF-8, at most MAX_REASON bytes), before the process exits
@@ -87,13 +90,14 @@ SAMPLE_OPEN_FILES = 512  # a slot process's descriptors (its own included): see 
 
 def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> int:
     """Makes this freshly forked process a slot (see the module docstring). Returns the IPC mark for the template.
-    ``run_fd``: its socket to the program runner (:mod:`.runner`), kept open for :func:`rewardbox.sandbox.run`.
+    ``run_fd``: its socket to the program runner (:mod:`..programs.runner`), kept open for
+    :func:`rewardbox.sandbox.run`.
 
     Raises:
         OSError, RuntimeError: it cannot be prepared; the slot is not used.
     """
     os.setsid()
-    processes.set_name("rbx-slot")
+    tree.set_name("rbx-slot")
     if slot.uid is None:
         # Local backend: nothing reaps by uid, so a slot process must not outlive its template.
         die_with_parent()
@@ -103,7 +107,7 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
     # sees what it would see in-process), and a request the server gave up on ends that request, not this process.
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     signal.set_wakeup_fd(-1)
-    processes.close_inherited(control_fd, *(() if run_fd is None else (run_fd,)))
+    tree.close_inherited(control_fd, *(() if run_fd is None else (run_fd,)))
     try:
         _set_oom_score_adj(1000)
     except OSError:
@@ -115,7 +119,7 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
         # Clean up after the uid's earlier processes while they can neither signal nor trace this one, and with
         # root's group still, which sees all of them in /proc (private_tmp.hide_others: not dumpable, they are
         # hidden from their own uid).
-        os.setresuid(slot.uid | processes.REAPER_UID_BIT, slot.uid, 0)
+        os.setresuid(slot.uid | tree.REAPER_UID_BIT, slot.uid, 0)
         if not slot.known_clean:
             kill_uid(slot.uid, atomic=slot.atomic_kill)
             mark = remove_ipc(slot.uid, mark)
@@ -127,7 +131,7 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
         empty(slot.directory)
         os.seteuid(0)  # the capabilities return (the saved uid is 0) for the last changes
         os.setresgid(slot.uid, slot.uid, slot.uid)
-        if slot.private_tmp == "chroot" and processes.unnamed_bytes(slot.directory):
+        if slot.private_tmp == "chroot" and tree.unnamed_bytes(slot.directory):
             private_tmp.renew(slot.uid, slot.directory, executable=False)
         private_tmp.become(slot.private_tmp, slot.uid, slot.directory)  # no capability is left after this
         seccomp.install()  # no SysV IPC, message queues, ptrace, keyrings: for this process and all it starts
@@ -170,7 +174,8 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
 def _released(run_fd: int) -> bool:
     """Waits until the program runner holds nothing the slot's last process left there (the socket it served, with
     descriptors a sample sent over it in flight, and their programs): the runner answers on this process's fresh
-    socket only once the last one's monitor ended (:func:`.run_requests.release`). Before any reward code runs."""
+    socket only once the last one's monitor ended (:func:`..protocol.run_requests.release`). Before any reward code
+    runs."""
     channel = socket.socket(fileno=run_fd)
     try:
         return run_requests.release(channel)
@@ -179,8 +184,8 @@ def _released(run_fd: int) -> bool:
 
 
 async def _receive(recv_into: Callable) -> codec.Request:
-    """A request, received straight into a mapping of its own (:class:`.codec.Request`): its samples' text is never
-    in this process's heap. ``recv_into(view)`` is the socket's (awaitable).
+    """A request, received straight into a mapping of its own (:class:`..protocol.codec.Request`): its samples' text is
+    never in this process's heap. ``recv_into(view)`` is the socket's (awaitable).
 
     Raises:
         ConnectionError: the request ended early.
@@ -379,8 +384,8 @@ def _score_alone(loaded: worker.Loaded, sock: socket.socket, request: codec.Requ
 
 
 def _handle_stream(loaded: worker.Loaded, fd: int, forker: Optional[forked.Forker] = None) -> bool:
-    """isolation: sample and process: a streamed answer (:mod:`.codec`), each unit in a child with a ``forker``,
-    else the request's one unit in this process. Returns whether this process may serve another request."""
+    """isolation: sample and process: a streamed answer (:mod:`..protocol.codec`), each unit in a child with a
+    ``forker``, else the request's one unit in this process. Returns whether this process may serve another request."""
     sock = socket.socket(fileno=fd)
     sock.setblocking(True)
     try:

@@ -6,8 +6,8 @@ the other, with the slot's index: the runner knows which run uid and scratch dir
 nothing a slot process says can choose them. When a slot's socket first has a request, the runner forks a monitor
 for it (:mod:`.monitor`), which serves that socket's requests one after another until it closes; a slot's next
 monitor starts only after the last one ended, so two never share a run uid. A slot's new process asks
-(:func:`.run_requests.release`) before any reward code runs in it, and the runner answers once the last monitor
-ended: nothing its last process left at the runner is left then. Standard library only.
+(:func:`..protocol.run_requests.release`) before any reward code runs in it, and the runner answers once the last
+monitor ended: nothing its last process left at the runner is left then. Standard library only.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import socket
 import sys
 from typing import Optional
 
-from . import monitor, processes
+from ..processes import tree
+from ..protocol.run_requests import RELEASE, encode_frame
+from . import monitor
 from .program import RunSlot
-from .run_requests import RELEASE, encode_frame
 
 
 _RELEASE_FRAME = encode_frame({"op": RELEASE})
@@ -38,8 +39,8 @@ class Runner:
         self.selector = selectors.DefaultSelector()
 
     def run(self) -> None:
-        processes.set_name("rbx-runner")
-        wake_r = processes.sigchld_wakeup()
+        tree.set_name("rbx-runner")
+        wake_r = tree.sigchld_wakeup()
         self.selector.register(wake_r, selectors.EVENT_READ, "wake")
         self.selector.register(self.control, selectors.EVENT_READ, "control")
         while True:
@@ -54,7 +55,7 @@ class Runner:
                     self._start(key.data)
 
     def _from_template(self) -> bool:
-        from .channel import ChannelClosed, optional_fd, recv
+        from ..protocol.channel import ChannelClosed, optional_fd, recv
 
         try:
             message, fds = recv(self.control)
@@ -120,7 +121,7 @@ class Runner:
         self.busy[pid] = index
 
     def _reap(self) -> None:
-        for pid, _ in processes.exited_children():
+        for pid, _ in tree.exited_children():
             index = self.busy.pop(pid, None)
             if index is not None and index in self.sockets:  # the slot's next process waited for this one
                 self.selector.register(self.sockets[index], selectors.EVENT_READ, index)
@@ -128,7 +129,7 @@ class Runner:
 
 def start(slot_map: dict) -> tuple:
     """Forks a runner for ``slot_map`` (index -> RunSlot). Returns (pid, the template's end of its socket)."""
-    from .channel import pair
+    from ..protocol.channel import pair
 
     template_end, runner_end = pair()
 
@@ -138,17 +139,17 @@ def start(slot_map: dict) -> tuple:
         os.closerange(keep + 1, 65536)
         Runner(runner_end, slot_map).run()  # if it raises, the template sees the socket close: run() calls fail
 
-    pid = processes.fork_child(serve)
+    pid = tree.fork_child(serve)
     runner_end.close()
     return pid, template_end
 
 
 def main(argv: Optional[list] = None) -> int:
-    """``python -m rewardbox.sandbox.runner FD``: serves one socket outside any sandbox (plain Python, the in-process
+    """``python -m rewardbox.sandbox.programs.runner FD``: serves one socket outside any sandbox (plain Python, the in-process
     backend), in a temporary directory, as the caller's own user."""
     fd = int((argv if argv is not None else sys.argv[1:])[0])
-    processes.become_subreaper()
-    processes.die_with_parent()
+    tree.become_subreaper()
+    tree.die_with_parent()
     import tempfile  # here: it loads random, whose reseeding would run after every fork of a template
 
     with tempfile.TemporaryDirectory(prefix="rbx-run-") as directory:

@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence, Union
 
-from . import run_requests
+from ..protocol import run_requests
 from .languages import LANGUAGES, lookup
 
 if TYPE_CHECKING:
@@ -146,8 +146,8 @@ def _attached() -> Optional[_Channel]:
 
 
 def attach_child(fd: Optional[int]) -> None:
-    """In a child a slot process forked for one sample (:mod:`.forked`): ``fd`` is the child's own socket to the
-    runner (None: its parent could not run programs either, or the runner is gone). Never the parent's channel."""
+    """In a child a slot process forked for one sample (:mod:`..processes.forked`): ``fd`` is the child's own socket to
+    the runner (None: its parent could not run programs either, or the runner is gone). Never the parent's channel."""
     if _channel is not None:
         _channel.sock.close()
     elif _channel_fd is not None:
@@ -176,7 +176,7 @@ def _connect() -> _Channel:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             env = dict(os.environ)
             env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # where this rewardbox came from
-            command = f"from rewardbox.sandbox.runner import main; main([{theirs.fileno()}])"
+            command = f"from rewardbox.sandbox.programs.runner import main; main([{theirs.fileno()}])"
             import subprocess  # here: outside a sandbox only (threading, which it loads, slows every fork)
 
             process = subprocess.Popen([sys.executable, "-c", command], pass_fds=(theirs.fileno(),), env=env,

@@ -19,7 +19,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Iterable, NamedTuple, Optional
 
-from . import processes, sockets
+from ..processes import tree
+from . import sockets
 
 _MIB = 1 << 20
 MIN_MARGIN_BYTES = 32 * _MIB
@@ -192,7 +193,7 @@ def held(groups: dict, statuses: Iterable[tuple[int, bytes]], socket_bytes: Opti
          sockets_of: Optional[Callable[[int], tuple]] = None, listed: Iterable[int] = (),
          dying: frozenset = frozenset(), server: Optional[int] = None) -> Held:
     """:class:`Held` from ``(pid, /proc/<pid>/status)`` of the sandbox's processes (``groups`` maps each slot's uids
-    to the slot): what each holds of its own (:func:`.processes.resident_kb`) and its page tables; pages a fork
+    to the slot): what each holds of its own (:func:`..processes.tree.resident_kb`) and its page tables; pages a fork
     shares count in each process that maps them: more than the truth, never less. A program runner's monitor
     (root, named MONITOR_NAME and the run uid it serves) counts for that slot: it holds its programs' output.
 
@@ -219,11 +220,11 @@ def held(groups: dict, statuses: Iterable[tuple[int, bytes]], socket_bytes: Opti
         totals[group] = (total + memory, pids, monitors)
 
     for pid, status in statuses:
-        fields = processes.status_fields(status)
+        fields = tree.status_fields(status)
         if not fields.get(b"Uid"):
             continue
-        resident = processes.resident_kb(fields) * 1024
-        tables = processes.status_kb(fields, b"VmPTE") * 1024
+        resident = tree.resident_kb(fields) * 1024
+        tables = tree.status_kb(fields, b"VmPTE") * 1024
         held_sockets = 0
         if sockets_of is not None:
             inodes, descriptors = sockets_of(pid)

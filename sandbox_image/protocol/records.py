@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from ..wire import Outcome
+from ...wire import Outcome
 
 __all__ = ["BatchResult", "ChunkResult", "FunctionInfo", "Outcome", "SampleBatch", "WorkerConfig"]
 

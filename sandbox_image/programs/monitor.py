@@ -16,10 +16,11 @@ import socket
 import struct
 from typing import Optional
 
-from . import languages, processes
+from ..processes import tree
+from ..protocol.run_requests import (CHANNEL, MAX_REQUEST, COMPARISONS, RELEASE, Request, RequestError, parse,
+                                     read_frame, write_frame)
+from . import languages
 from .program import Limits, RunSlot, SlotGone, Workspace
-from .run_requests import (CHANNEL, MAX_REQUEST, COMPARISONS, RELEASE, Request, RequestError, parse, read_frame,
-                           write_frame)
 
 # A monitor holds what a sample sends it in memory the sample does not pay for: at most this much (or half the
 # sample's own address space, where it has a limit), so a sample cannot make it hold more than the sample could.
@@ -162,10 +163,10 @@ class Monitor:
         return self._serve()
 
     def _serve(self) -> int:
-        """Serves ``self.sock`` until it closes. A slot process's :data:`.run_requests.CHANNEL` frame (not a
+        """Serves ``self.sock`` until it closes. A slot process's :data:`..protocol.run_requests.CHANNEL` frame (not a
         child's) hands over a child's own socket, which is served first, until it closes or the slot process writes
-        again (its :data:`.run_requests.RELEASE` frame, once that child is gone, whoever else holds its socket): a
-        child killed in the middle of a request leaves its half frame on a socket nobody reads again."""
+        again (its :data:`..protocol.run_requests.RELEASE` frame, once that child is gone, whoever else holds its
+        socket): a child killed in the middle of a request leaves its half frame on a socket nobody reads again."""
         while True:
             try:
                 message = read_frame(self.sock, self.frame_limit, self.parent)
@@ -256,13 +257,13 @@ def start(slot: RunSlot, sock: socket.socket, keep: tuple = ()) -> int:
         try:
             # Not SIGKILL: a monitor that loses its runner (the template closed) still kills its program first.
             signal.signal(signal.SIGTERM, _runner_gone)
-            processes.die_with_parent(signal.SIGTERM)
+            tree.die_with_parent(signal.SIGTERM)
             for fd in keep:
                 os.close(fd)
             # The memory guard counts what a monitor holds (a program's output, up to max_output_bytes per stream
             # and run) toward the slot it serves, by this name: only root's processes are taken at their name.
-            processes.set_name(MONITOR_NAME + str(slot.uid) if slot.uid is not None else "rbx-monitor")
-            processes.become_subreaper()
+            tree.set_name(MONITOR_NAME + str(slot.uid) if slot.uid is not None else "rbx-monitor")
+            tree.become_subreaper()
             code = Monitor(slot, sock).loop()
         finally:
             try:

@@ -1,6 +1,6 @@
-"""What crosses between a slot process and its program runner (:mod:`.runner`): length-prefixed JSON frames, and
-the requests they carry, parsed and checked field by field before anything runs (:func:`parse`). Standard library
-only: :mod:`.execution` (in the reward's process) and the runner both use it.
+"""What crosses between a slot process and its program runner (:mod:`..programs.runner`): length-prefixed JSON frames,
+and the requests they carry, parsed and checked field by field before anything runs (:func:`parse`). Standard library
+only: :mod:`..programs.execution` (in the reward's process) and the runner both use it.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import struct
 from dataclasses import dataclass
 from typing import Optional
 
-from . import languages
+from ..programs import languages
 
 _LENGTH = struct.Struct("<Q")
 MAX_REQUEST = 256 * 1024 * 1024
-# A slot process's frame that hands the runner a fresh socket for one child of its (:mod:`.forked`); the socket
-# follows as one byte with the descriptor attached.
+# A slot process's frame that hands the runner a fresh socket for one child of its (:mod:`..processes.forked`); the
+# socket follows as one byte with the descriptor attached.
 CHANNEL = "channel"
 # A slot process's frame, answered with the same frame once nothing a sample left at the runner is left (see
 # :func:`release`).
@@ -46,7 +46,7 @@ def release(sock: socket.socket) -> bool:
     left, before the next sample starts. That is a socket the runner served for a forked child, with whatever the
     child left in flight there (descriptors sent over the socket itself outlive every process: a file that fills
     the slot's /tmp, a socket set to signal the slot process when it closes), and that child's programs; or, for a
-    slot's new process, all of its last process's (:meth:`.runner.Runner._start` answers once that process's
+    slot's new process, all of its last process's (:meth:`..programs.runner.Runner._start` answers once that process's
     monitor ended). Returns False where the runner is gone or did not answer in RELEASE_TIMEOUT_S."""
     try:
         sock.sendall(encode_frame({"op": RELEASE}), socket.MSG_NOSIGNAL)

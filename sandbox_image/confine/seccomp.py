@@ -12,17 +12,17 @@ make a user namespace (the kernel code that opens to an unprivileged user is lar
 ``/tmp``). ``prlimit64`` and the
 ``sched_set*`` calls work on the calling process only (pid 0): a sample forked by its slot process shares its uid,
 and could otherwise lower the limits, the CPUs or the scheduling class that every later child of it inherits
-(:mod:`.forked`). Nor may a sample choose which process the kernel signals for a descriptor (``fcntl`` F_SETOWN
-and F_SETOWN_EX, ``ioctl`` FIOSETOWN and SIOCSPGRP): a descriptor can outlive every process of the sample (sent
+(:mod:`..processes.forked`). Nor may a sample choose which process the kernel signals for a descriptor (``fcntl``
+F_SETOWN and F_SETOWN_EX, ``ioctl`` FIOSETOWN and SIOCSPGRP): a descriptor can outlive every process of the sample (sent
 over a socket, in flight in the runner's), and would signal its slot process at a moment it chose. And
 ``memfd_create``: a memory file is held by its descriptor, not by any process, so it counts toward no process's
 memory, and the OOM killer would take an innocent concurrent sample instead. For the same reason a socket's
 buffers stay at their default size: ``setsockopt`` SO_SNDBUF, SO_RCVBUF and their FORCE forms succeed and change
 nothing (the kernel may adjust what is asked anyway), and a pipe's too (``fcntl`` F_SETPIPE_SZ is refused; gVisor
 shows pipe buffers in no memory figure at all), so what a sample's sockets and pipes hold is bounded by its open
-files (:data:`.slot.SAMPLE_OPEN_FILES`); the memory guard reads what sockets hold (:mod:`.sockets`). ``setsockopt``
-SO_LINGER succeeds and changes nothing as well: a TCP socket that lingers makes the ``close`` that drops its last
-reference wait (up to the hour it asks for) until its queued data is taken, and a sample can make that close
+files (:data:`..processes.slot.SAMPLE_OPEN_FILES`); the memory guard reads what sockets hold (:mod:`..memory.sockets`).
+``setsockopt`` SO_LINGER succeeds and changes nothing as well: a TCP socket that lingers makes the ``close`` that drops
+its last reference wait (up to the hour it asks for) until its queued data is taken, and a sample can make that close
 somebody else's (its socket sent to the program runner, whose monitor closes what it finds in flight there); under
 gVisor such a close stalled the whole sandbox, ``docker exec`` included (red team). Unix sockets are stream sockets
 only (``socket`` and ``socketpair`` of another type are refused): what a closed sender left queued at a datagram or
@@ -34,8 +34,8 @@ red team 15). ``clone3`` answers ENOSYS
 (its flags are in memory a filter cannot read; the C library falls back to ``clone``). A system call of another
 architecture or ABI (x32) kills the process. Standard library only (ctypes for prctl).
 
-Programs that reward code runs (:mod:`.execution`) get a stricter filter on top: no ``socket()`` at all (socket
-pairs stay), so they have no network even inside a reward that has one, and no named or abstract Unix sockets to
+Programs that reward code runs (:mod:`..programs.execution`) get a stricter filter on top: no ``socket()`` at all
+(socket pairs stay), so they have no network even inside a reward that has one, and no named or abstract Unix sockets to
 meet concurrent programs of other samples on.
 """
 

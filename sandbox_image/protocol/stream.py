@@ -4,7 +4,7 @@ On a request's socket, slot process -> server (**hostile**: a slot process is a 
 code; the server trusts nothing it reads there and reads it within each unit's deadline)::
 
     STARTED                                  when the slot process takes the request (the deadline starts there)
-    then, forked (isolation: sample where slot processes fork, :mod:`.forked`):
+    then, forked (isolation: sample where slot processes fork, :mod:`..processes.forked`):
         FORKING
         per unit, in order:  WAITED* answer trailer
             WAITED   u32 ms: the running unit's deadline moved (its processes waited for a CPU others held)

@@ -8,7 +8,7 @@ nothing any unit did, as the slot process runs no reward code on data, ever. Thi
 reward and every unit, whatever the reward's code does: nothing decides whether a process "looks" clean. A fresh
 slot process for each unit would give the same, at several times the cost (a uid change, a user and a mount
 namespace, seccomp, limits, and the template's own copy-on-write faults after every fork). The child decodes its own
-sample from the request's mapping and unmaps the rest before the reward sees it (:class:`.codec.Request`).
+sample from the request's mapping and unmaps the rest before the reward sees it (:class:`..protocol.codec.Request`).
 
 Before the next child starts, everything a unit left is gone:
 
@@ -18,16 +18,16 @@ Before the next child starts, everything a unit left is gone:
   is not atomic, and there an orphan need not come back to its subreaper: under gVisor each unit runs in a slot
   process of its own, and the template's next process for the slot cleans up (:func:`.slot.prepare`);
 - what its processes left in flight in a cycle of Unix sockets is freed
-  (:meth:`.sockets.UnixSockets.wait_for_in_flight`): a listening socket there keeps its port until then, and the
+  (:meth:`..memory.sockets.UnixSockets.wait_for_in_flight`): a listening socket there keeps its port until then, and the
   next sample's ``bind()`` to it would fail;
 - its ``/tmp`` (the slot's scratch tmpfs) is emptied;
 - the child's socket to the program runner is its own (:func:`runner_socket`), so a child killed halfway through a
   request leaves no half frame for the next. The runner is sent it only once the child first writes to it, and
   then lets go of it (with what the child left in flight there) before the next child starts
-  (:func:`.run_requests.release`).
+  (:func:`..protocol.run_requests.release`).
 
-The child writes its answer (a length, then one answer in the format the server reads: :mod:`.codec`) into a memory
-mapping it shares with the slot process, then one byte into a pipe. The slot process waits for that byte by the
+The child writes its answer (a length, then one answer in the format the server reads: :mod:`..protocol.codec`) into a
+memory mapping it shares with the slot process, then one byte into a pipe. The slot process waits for that byte by the
 unit's deadline (or until it reaps the child without it: the child's own forks may hold the pipe open), cleans up
 (so nothing can change the answer any more), checks the answer in place as the server would, and sends it from the
 mapping, which it then unmaps: no child's answer (its output, its error text) ever passes through the slot
@@ -55,9 +55,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from ..wire import Outcome, Status
-from . import codec, cpu_wait, import_effects, private_tmp, processes, run_requests, sockets
-from .stream import ChildMarker
+from ...wire import Outcome, Status
+from ..confine import private_tmp
+from ..memory import sockets
+from ..protocol import codec, run_requests
+from ..protocol.stream import ChildMarker
+from . import cpu_wait, import_effects, tree
 
 _LENGTH = struct.Struct("<I")
 DONE = ChildMarker.DONE  # the child wrote its answer
@@ -88,7 +91,7 @@ class Forker:
         for its slot processes (a fork storm's zombies would otherwise fill the uid's process limit between two
         reaps). Once per request, not per unit: each child puts SIGCHLD back as it was (:func:`_quiet`)."""
         if not self.reaper:
-            processes.become_subreaper()  # what its children leave becomes its own child: see kill_descendants
+            tree.become_subreaper()  # what its children leave becomes its own child: see kill_descendants
             self.reaper = True
             self.wake = os.pipe()
             for fd in self.wake:
@@ -152,7 +155,7 @@ class Forker:
                     os.dup2(null, fd)
                 os.close(null)
                 import_effects.give_back()  # the import's signal handlers, hooks and replaced functions
-                processes.set_name("rbx-sample")
+                tree.set_name("rbx-sample")
                 private_tmp.make_dumpable()  # seen by this process's looks at its tree (cpu_wait) despite hidepid
                 os.close(read_end)
                 for fd in (request_fd, *self.close, *self.wake, self.unix_sockets.fileno(),
@@ -178,7 +181,7 @@ class Forker:
             # is no longer copied).
             status, retire = None, None
             try:
-                status = processes.kill_descendants(unit.pid)
+                status = tree.kill_descendants(unit.pid)
             except OSError as e:
                 retire = f"what a sample left could not be removed: {e}"
             os.close(read_end)
@@ -194,7 +197,7 @@ class Forker:
             # What its processes left in flight in a cycle of Unix sockets is freed first (a few milliseconds where
             # any is left): a listener riding there holds its port, an unlinked file the bytes of this /tmp.
             self.unix_sockets.wait_for_in_flight()
-            if processes.empty_own_tmpfs(self.scratch):
+            if tree.empty_own_tmpfs(self.scratch):
                 # Held by something no kill reaches (gVisor: a Unix socket sent over itself): the slot's next
                 # process gets a fresh tmpfs (slot.prepare).
                 retire = retire or "its /tmp still holds data no file name reaches"
@@ -219,7 +222,7 @@ class Forker:
         elif failed is Status.INVALID:
             why = f"malformed answer from the worker: {why}"
         else:
-            details = processes.describe_status(status) if status is not None else ""
+            details = tree.describe_status(status) if status is not None else ""
             why = f"worker process died ({details})" if details else "worker process died"
         send(_failure(samples, max_log_bytes, failed, why), retire)
         return retire
@@ -255,7 +258,7 @@ class _Unit:
     def reap(self) -> None:
         """What the unit's own forks orphan comes to this process (their subreaper): a zombie still counts toward
         the uid's process limit, so left unreaped until the unit ends, they would stop its forks halfway."""
-        for child, wait_status in processes.exited_children():
+        for child, wait_status in tree.exited_children():
             self.reaped[child] = wait_status
 
     def ended(self) -> bool:
@@ -353,9 +356,9 @@ def runner_socket(runner: Optional[socket.socket]) -> tuple[Optional[int], Optio
 
 def hand_over(runner: socket.socket, end: socket.socket) -> bool:
     """Sends a child's runner socket to the runner over the slot process's own. The runner serves it before anything
-    else this slot sends (:meth:`.monitor.Monitor.loop`), until the slot process writes again: its
-    :func:`.run_requests.release`, once the child is gone. Returns False where the runner is gone (the caller then
-    closes ``end``, so that the child's program calls fail at once)."""
+    else this slot sends (:meth:`..programs.monitor.Monitor.loop`), until the slot process writes again: its
+    :func:`..protocol.run_requests.release`, once the child is gone. Returns False where the runner is gone (the caller
+    then closes ``end``, so that the child's program calls fail at once)."""
     try:
         run_requests.write_frame(runner, {"op": run_requests.CHANNEL})
         socket.send_fds(runner, [b"c"], [end.fileno()], socket.MSG_NOSIGNAL)

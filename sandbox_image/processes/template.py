@@ -1,7 +1,7 @@
 """A template: imports one version of a reward function once, then forks slot processes from that state.
 
 The supervisor forks it (docker backend: as root holding SETUID, SETGID and KILL, which its slot processes give up).
-It talks only to the server, over a control socket (:mod:`.channel`):
+It talks only to the server, over a control socket (:mod:`..protocol.channel`):
 
 - server -> template: ``run`` (with the request's socket), ``done`` (the server read a request's answer; with
   ``retire``, the process that served it is killed: a forked slot process that could not clean up after a unit),
@@ -13,8 +13,8 @@ It talks only to the server, over a control socket (:mod:`.channel`):
 It never reads what a slot process writes after its one ready byte: slot processes run reward code on model output,
 and nothing they say reaches the template or the server except through a request socket's fixed format.
 
-Before it imports the reward it forks the program runner (:mod:`.runner`), and gives each slot process it starts a
-socket to it, telling the runner which slot that socket belongs to.
+Before it imports the reward it forks the program runner (:mod:`..programs.runner`), and gives each slot process it
+starts a socket to it, telling the runner which slot that socket belongs to.
 """
 
 from __future__ import annotations
@@ -31,12 +31,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from . import runner as runner_module
-from . import import_effects, private_memory, private_tmp, processes, seccomp, slot as slots
+from ..confine import private_memory, private_tmp, seccomp
+from ..programs import runner as runner_module
+from ..programs.program import RunSlot
+from ..protocol.channel import ChannelClosed, optional_fd, pair, recv, send
+from ..protocol.records import WorkerConfig
+from . import import_effects, tree, slot as slots
 from . import worker
-from .channel import ChannelClosed, optional_fd, pair, recv, send
-from .program import RunSlot
-from .records import WorkerConfig
 
 # A slot process that dies before it is ready this many times in a row is reported and no longer respawned.
 MAX_SETUP_FAILURES = 3
@@ -93,9 +94,10 @@ class Template:
 
     def run(self) -> None:
         if any(s.spec.uid is not None for s in self.slots):
-            processes.become_subreaper()  # what slot processes leave behind becomes our child: see _no_strangers
+            tree.become_subreaper()  # what slot processes leave behind becomes our child: see _no_strangers
         self._start_runner()
-        from . import execution  # here: execution imports the slot module, which imports this one's dependencies
+        # here: execution imports the slot module, which imports this one's dependencies
+        from ..programs import execution
 
         # The template runs as root (docker backend): nothing may start programs from it. Slot processes attach.
         execution.attach(None, "rewardbox.sandbox.run cannot run while the reward module is imported (nor outside a "
@@ -135,13 +137,13 @@ class Template:
         if any(s.spec.uid is not None for s in self.slots):
             seccomp.prepare()
             private_tmp.prewarm()
-            processes.prewarm()
+            tree.prewarm()
         if self.forks:
             slots.warm_up(self.loaded)
         if all(s.spec.private_tmp for s in self.slots):  # every slot's home is /tmp: set once, not per process
             os.environ.update(dict.fromkeys(slots.HOME_VARIABLES, private_tmp.PATH))
         gc.freeze()  # the module's objects stay shared with every fork instead of being copied on first touch
-        wake_r = processes.sigchld_wakeup()
+        wake_r = tree.sigchld_wakeup()
         self.selector.register(wake_r, selectors.EVENT_READ, "wake")
         self.selector.register(self.server, selectors.EVENT_READ, "server")
         for s in self.slots:
@@ -165,18 +167,18 @@ class Template:
         root, outside every slot's uid and seccomp filter, for the sandbox's life, beside every sample, and model
         code reaches it over loopback (a red team ran code as root through a manager's pickles). The processes
         are killed."""
-        for _ in processes.exited_children():  # what finished is no concern (a probe run with subprocess)
+        for _ in tree.exited_children():  # what finished is no concern (a probe run with subprocess)
             pass
         keep = {self.runner_pid} if self.runner_pid else set()
-        found = sorted(processes.all_children() - keep)
+        found = sorted(tree.all_children() - keep)
         threads = _thread._count()
         if not found and not threads:
             return ""
         what = []
         if found:
-            shown = ", ".join(f"{pid} ({processes.name_of(pid)})" for pid in found[:5])
+            shown = ", ".join(f"{pid} ({tree.name_of(pid)})" for pid in found[:5])
             what.append(f"{len(found)} process(es) running ({shown})")
-            processes.kill_children(keep)
+            tree.kill_children(keep)
         if threads:
             what.append(f"{threads} thread(s) running")
         return (f"importing it left {' and '.join(what)}: they would run as the sandbox's root, beside every sample "
@@ -217,7 +219,7 @@ class Template:
         whatever an earlier holder of the uid left): when one dies, its orphans become our children (we are their
         subreaper), and no process can leave that tree (ptrace is refused to samples). So with no stranger among
         our children, a uid whose last process we reaped has no process left anywhere."""
-        found = processes.children()
+        found = tree.children()
         return found is not None and found <= {s.pid for s in self.slots if s.pid} | {self.runner_pid}
 
     def _spawn(self, s: _Slot) -> None:
@@ -268,7 +270,7 @@ class Template:
             s.last_failure = message[1:].decode("utf-8", "replace")
 
     def _reap(self) -> None:
-        for pid, status in processes.exited_children():
+        for pid, status in tree.exited_children():
             s = next((s for s in self.slots if s.pid == pid), None)
             if s is not None:
                 self._ended(s, status)
@@ -280,7 +282,7 @@ class Template:
             except OSError:
                 pass
         for request in sorted(s.requests):
-            send(self.server, {"op": "exited", "req": request, "status": processes.describe_status(status)})
+            send(self.server, {"op": "exited", "req": request, "status": tree.describe_status(status)})
         served = bool(s.requests) or s.ready or s.served
         if s.control is not None:
             if s.control.fileno() in self.selector.get_map():
@@ -292,7 +294,7 @@ class Template:
             s.setup_failures += 1
             if s.setup_failures >= MAX_SETUP_FAILURES:
                 s.broken = True
-                why = s.last_failure or f"its process died before it was ready ({processes.describe_status(status)})"
+                why = s.last_failure or f"its process died before it was ready ({tree.describe_status(status)})"
                 send(self.server, {"op": "slot_failed", "slot": s.spec.index, "reason": why})
                 return
         s.respawn_at = time.monotonic() + (RESPAWN_BACKOFF_S * s.setup_failures if s.setup_failures else 0)
@@ -447,7 +449,7 @@ def run(config: WorkerConfig, slot_specs: list[slots.SlotSpec], server: socket.s
     """The whole life of a template process; never returns."""
     code = 0
     try:
-        processes.set_name("rbx-template")
+        tree.set_name("rbx-template")
         Template(config, slot_specs, server).run()
     except BaseException as e:  # noqa: BLE001 - the server sees the socket close
         code = 70

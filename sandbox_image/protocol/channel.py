@@ -2,7 +2,7 @@
 
 A message is a length-prefixed JSON object, optionally carrying file descriptors (SCM_RIGHTS). Only trusted
 processes speak this: nothing that ran model-written code ever holds one of these sockets. (What a worker returns
-travels in :mod:`rewardbox.sandbox.codec`'s fixed format instead.) Standard library only.
+travels in :mod:`rewardbox.sandbox.protocol.codec`'s fixed format instead.) Standard library only.
 """
 
 from __future__ import annotations

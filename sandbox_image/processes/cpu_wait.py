@@ -32,8 +32,8 @@ that decision, as it could switch the timer off; either way the server's deadlin
 the extension stays within that deadline's margin: ``OWN_BUDGET_S`` per request, in all.
 
 Not measured: gVisor has no ``schedstat`` (there a deadline is wall-clock, as before). Programs a sample runs through
-the runner (:mod:`.execution`) are not its descendants (another uid's, the runner's children): a forked unit that
-called the runner is forgiven nothing, as its programs may be what kept it waiting, and their own timeouts stay
+the runner (:mod:`..programs.execution`) are not its descendants (another uid's, the runner's children): a forked unit
+that called the runner is forgiven nothing, as its programs may be what kept it waiting, and their own timeouts stay
 wall-clock.
 """
 
@@ -42,8 +42,8 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from ..wire import HARD_TIMEOUT_MARGIN_S
-from . import processes
+from ...wire import HARD_TIMEOUT_MARGIN_S
+from . import tree
 
 AVAILABLE = os.path.exists("/proc/self/schedstat")
 # A unit with more processes than this is not looked at further (no forgiveness): each look reads a few files per
@@ -82,7 +82,7 @@ class Watch:
             return
         runnable = 0
         seen: dict = {}
-        todo = list(processes.children() or ()) if roots is None else list(roots)
+        todo = list(tree.children() or ()) if roots is None else list(roots)
         while todo:
             pid = todo.pop()
             for tid in _tasks(pid):

@@ -111,9 +111,9 @@ def hide_others() -> Optional[str]:
 
 def make_dumpable() -> None:
     """Lets the processes of this one's uid see it in ``/proc`` (:func:`hide_others`) and trace it: a slot process's
-    child for one sample (:mod:`.forked`), so that its parent can look at it (:mod:`.cpu_wait`). The slot process
-    itself stays as its uid change left it, not dumpable: its children cannot read its memory (the request's other
-    samples are mapped there). Core dumps stay off (RLIMIT_CORE 0)."""
+    child for one sample (:mod:`..processes.forked`), so that its parent can look at it (:mod:`..processes.cpu_wait`).
+    The slot process itself stays as its uid change left it, not dumpable: its children cannot read its memory (the
+    request's other samples are mapped there). Core dumps stay off (RLIMIT_CORE 0)."""
     _libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
 
 
@@ -192,8 +192,8 @@ def build_roots(directories: dict, hidden: tuple) -> None:
 
 def renew(uid: int, directory: str, executable: bool) -> None:
     """``chroot`` (gVisor), as root: a fresh tmpfs, as large as the one there, on ``directory`` and on the uid's
-    root's ``/tmp``, for a uid whose tmpfs still holds data once emptied (:func:`.processes.unnamed_bytes`): gVisor
-    frees no Unix socket sent over itself, nor an unlinked file riding in it, so every later sample of the slot
+    root's ``/tmp``, for a uid whose tmpfs still holds data once emptied (:func:`..processes.tree.unnamed_bytes`):
+    gVisor frees no Unix socket sent over itself, nor an unlinked file riding in it, so every later sample of the slot
     would find its ``/tmp`` full. The old tmpfs stays beneath, held by the leak alone (the memory guard restarts
     the sandbox when memory no process holds grows too large). ``executable``: a programs' directory (compiled
     programs run from it), else ``noexec``.

@@ -2,12 +2,12 @@
 
 A monitor (:mod:`.monitor`) holds one :class:`Workspace` per slot socket it serves. For each program it:
 
-1. kills whatever the run uid still runs and empties its scratch directory (as in :func:`.slot.prepare`);
+1. kills whatever the run uid still runs and empties its scratch directory (as in :func:`..processes.slot.prepare`);
 2. writes the code, the files and the build's output there (as the run uid);
 3. forks the program: a session of its own, ``oom_score_adj`` 1000, the run uid (no capability left), limits on
    CPU time, writable memory (``RLIMIT_DATA``) and address space, processes, file size and open files, a seccomp
-   filter without network (:mod:`.seccomp`), the scratch directory as cwd, HOME and TMPDIR (mounted on ``/tmp``
-   in a mount namespace of its own where the container allows it: :mod:`.private_tmp`), and a clean environment
+   filter without network (:mod:`..confine.seccomp`), the scratch directory as cwd, HOME and TMPDIR (mounted on ``/tmp``
+   in a mount namespace of its own where the container allows it: :mod:`..confine.private_tmp`), and a clean environment
    (none of the reward's, secrets included);
 4. feeds stdin, reads stdout and stderr up to a limit, watches the memory of all the run uid's processes together
    (the rlimits hold per process: a program's forks could otherwise add up to many times its ``memory_mb`` and get
@@ -32,8 +32,9 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from . import private_tmp, processes, seccomp
-from .run_requests import RequestError
+from ..confine import private_tmp, seccomp
+from ..processes import tree
+from ..protocol.run_requests import RequestError
 
 MAX_ARTIFACT = 256 * 1024 * 1024
 OPEN_FILES = 256
@@ -89,7 +90,7 @@ class Workspace:
         assert uid is not None  # asked only of a slot with a uid of its own
         if not reaper:
             os.setresgid(-1, uid, -1)
-        os.setresuid(uid | processes.REAPER_UID_BIT if reaper else -1, uid, 0)
+        os.setresuid(uid | tree.REAPER_UID_BIT if reaper else -1, uid, 0)
 
     def _as_root(self) -> None:
         os.setresuid(0, 0, 0)
@@ -101,11 +102,11 @@ class Workspace:
         self._kill_tree()
         if self.slot.uid is None:
             os.makedirs(self.slot.directory, mode=0o700, exist_ok=True)
-            processes.empty(self.slot.directory)
+            tree.empty(self.slot.directory)
             return
         self._as_run_uid()
         try:
-            processes.empty(self.slot.directory)
+            tree.empty(self.slot.directory)
             if os.path.isdir("/dev/shm"):  # only under isolation: worker (no /dev/shm otherwise)
                 for name in os.listdir("/dev/shm"):
                     path = os.path.join("/dev/shm", name)
@@ -116,7 +117,7 @@ class Workspace:
                         pass
         finally:
             self._as_root()
-        if self.slot.private_tmp == "chroot" and processes.unnamed_bytes(self.slot.directory):
+        if self.slot.private_tmp == "chroot" and tree.unnamed_bytes(self.slot.directory):
             private_tmp.renew(self.slot.uid, self.slot.directory, executable=True)  # see slot.prepare
 
     def _kill_tree(self) -> None:
@@ -130,7 +131,7 @@ class Workspace:
             return
         self._as_run_uid(reaper=True)
         try:
-            processes.kill_uid(self.slot.uid, atomic=self.slot.atomic_kill)
+            tree.kill_uid(self.slot.uid, atomic=self.slot.atomic_kill)
         finally:
             self._as_root()
 
@@ -359,7 +360,7 @@ class Workspace:
                 os.close(fd)
             if pending:  # stdin was not written to its end
                 os.close(in_w)
-            for _ in processes.exited_children():  # every descendant: this process is their subreaper
+            for _ in tree.exited_children():  # every descendant: this process is their subreaper
                 pass
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         assert usage is not None  # waited for with status_word
@@ -390,5 +391,5 @@ class Workspace:
         (pages shared after a fork count once per process), else their resident set where the kernel does not
         tell those apart (gVisor)."""
         assert self.slot.uid is not None  # polled only for a slot with a uid of its own
-        return sum(processes.resident_kb(processes.status_fields(status))
-                   for _, status in processes.statuses_of(self.slot.uid)) * 1024
+        return sum(tree.resident_kb(tree.status_fields(status))
+                   for _, status in tree.statuses_of(self.slot.uid)) * 1024

@@ -116,8 +116,9 @@ def make_private() -> int:
     for start, end, prot, backing, may_write, offset, inode in found:
         length = end - start
         if may_write and not prot & PROT_WRITE and _a_file(backing):
-            # Read-only, of a file opened for writing (shared_mappings leaves out those that can never be written): the same pages again, from a descriptor opened read-only (no
-            # fork can make them writable), at the same address. Still page cache, and still the file's own bytes.
+            # Read-only, of a file opened for writing (shared_mappings leaves out those that can never be written): the
+            # same pages again, from a descriptor opened read-only (no fork can make them writable), at the same
+            # address. Still page cache, and still the file's own bytes.
             _remap_read_only(libc, start, length, prot, backing, offset, inode)
             continue
         if not prot & PROT_READ:

@@ -1,0 +1,1 @@
+"""Model-written programs that reward code runs: the runner, its monitors, the languages."""
