@@ -39,22 +39,22 @@ _EXPORTS = {
     "Backend": ".backends",
     "Sandbox": ".backends",
     "register_backend": ".backends",
-    "Endpoint": ".transport",
-    "GrpcTransport": ".transport",
-    "Transport": ".transport",
-    "Replica": ".replica",
-    "RewardClient": ".client",
-    "ScoreReport": ".client",
-    "SandboxedReward": ".reward",
-    "in_process_rewards": ".in_process",
-    "build_samples": ".samples",
-    "samples_from_rows": ".samples",
-    "RewardSandboxes": ".session",
-    "sandboxed": ".dropin",
-    "configure": ".dropin",
-    "sandboxed_tools": ".tools",
-    "ToolError": ".tools",
-    "sandboxed_environment": ".environments",
+    "Endpoint": ".scoring.transport",
+    "GrpcTransport": ".scoring.transport",
+    "Transport": ".scoring.transport",
+    "Replica": ".scoring.replica",
+    "RewardClient": ".scoring.client",
+    "ScoreReport": ".scoring.client",
+    "SandboxedReward": ".api.reward",
+    "in_process_rewards": ".api.in_process",
+    "build_samples": ".scoring.samples",
+    "samples_from_rows": ".scoring.samples",
+    "RewardSandboxes": ".api.session",
+    "sandboxed": ".api.dropin",
+    "configure": ".api.dropin",
+    "sandboxed_tools": ".api.tools",
+    "ToolError": ".api.tools",
+    "sandboxed_environment": ".api.environments",
     "RewardSpec": ".spec",
     "RewardboxConfig": ".spec",
     "SandboxSettings": ".spec",
@@ -85,18 +85,18 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers and IDEs see (re-exports, listed in __all__)
     from .backends import Backend, Sandbox, register_backend  # noqa: F401
-    from .client import RewardClient, ScoreReport  # noqa: F401
-    from .in_process import in_process_rewards  # noqa: F401
+    from .scoring.client import RewardClient, ScoreReport  # noqa: F401
+    from .api.in_process import in_process_rewards  # noqa: F401
     from .errors import (BackendError, ConfigError, ImageBuildError, RewardboxError, RewardLoadError,  # noqa: F401
                          TransportError)
-    from .replica import Replica  # noqa: F401
-    from .reward import SandboxedReward  # noqa: F401
-    from .samples import build_samples, samples_from_rows  # noqa: F401
-    from .dropin import configure, sandboxed  # noqa: F401
-    from .tools import ToolError, sandboxed_tools  # noqa: F401
-    from .environments import sandboxed_environment  # noqa: F401
-    from .session import RewardSandboxes  # noqa: F401
+    from .scoring.replica import Replica  # noqa: F401
+    from .api.reward import SandboxedReward  # noqa: F401
+    from .scoring.samples import build_samples, samples_from_rows  # noqa: F401
+    from .api.dropin import configure, sandboxed  # noqa: F401
+    from .api.tools import ToolError, sandboxed_tools  # noqa: F401
+    from .api.environments import sandboxed_environment  # noqa: F401
+    from .api.session import RewardSandboxes  # noqa: F401
     from .spec import RewardboxConfig, RewardSpec, SandboxSettings, load_config, parse_config  # noqa: F401
     from .trainer import TrainConfig, load_train_config, train  # noqa: F401
-    from .transport import Endpoint, GrpcTransport, Transport  # noqa: F401
+    from .scoring.transport import Endpoint, GrpcTransport, Transport  # noqa: F401
     from .wire import Status, TrainerState  # noqa: F401

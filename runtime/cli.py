@@ -16,12 +16,12 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
-from . import apparmor as profiles
-from .base_image import OFFLINE_BASE
+from .api.reward import SandboxedReward
+from .api.session import RewardSandboxes
+from .deploy import apparmor as profiles
 from .errors import ConfigError, RewardboxError
-from .reward import SandboxedReward
-from .samples import samples_from_rows
-from .session import RewardSandboxes
+from .images.base_image import OFFLINE_BASE
+from .scoring.samples import samples_from_rows
 from .spec import load_config
 from .wire import Status
 
@@ -193,7 +193,7 @@ def build(
     """Build the sandbox images a config needs (one per distinct package set); cached by content hash."""
     _setup_logging(False)
     from .backends.docker import docker_settings, engine_client
-    from .image import ImageBuilder, registry_reference
+    from .images.image import ImageBuilder, registry_reference
 
     try:
         if push != (registry is not None):
@@ -231,7 +231,7 @@ def base_image(
     import docker.errors
 
     from .backends.docker import engine_client
-    from .base_image import build_offline_base
+    from .images.base_image import build_offline_base
 
     try:
         client = engine_client()
@@ -307,14 +307,14 @@ def train(
 def bench(
     base_image: str = typer.Option("auto", help="base image of the sandbox image (sandbox.docker.base_image)"),
     iterations: int = typer.Option(200, min=10, help="64-sample batches for the overhead figure"),
-    parts: str = typer.Option("abcdefghrytv", help="which parts to run (see `rewardbox.bench`): a overhead, b "
+    parts: str = typer.Option("abcdefghrytv", help="which parts to run (see `rewardbox.bench.run`): a overhead, b "
                               "throughput, c cold start, d builds, e LLM judge, f remote path, g code execution, h "
                               "isolation: sample at 1,024 and 4,096 completions, r run record and report, y ray "
                               "backend, t tool calls, v environments"),
 ) -> None:
     """Measure sandbox overhead, throughput, cold start and build times; print them beside our targets."""
     _setup_logging(False)
-    from .bench import run_bench
+    from .bench.run import run_bench
 
     try:
         figures = run_bench(base_image, iterations, progress=lambda m: console.print(m, style="dim"), parts=parts)
@@ -398,8 +398,8 @@ def serve(
 ) -> None:
     """Serve CONFIG's rewards to many trainers and ranks on one authenticated endpoint (`backend: remote`)."""
     _setup_logging(verbose)
-    from .service import ServiceLimits, ServiceSecurity, limit_malloc_arenas, raise_open_files
-    from .service import serve as run_service
+    from .serve.service import ServiceLimits, ServiceSecurity, limit_malloc_arenas, raise_open_files
+    from .serve.service import serve as run_service
 
     limit_malloc_arenas()  # before gRPC starts its threads
     raise_open_files()  # idle connections must not exhaust descriptors before max_connections refuses them
@@ -436,7 +436,7 @@ def report(
 ) -> None:
     """Serve the run report: reward graphs, completions side by side across steps, reward logs per sample,
     search, reward-hacking signals. Live while training writes the record; read-only."""
-    from .report import RecordError, make_server
+    from .report.app import RecordError, make_server
 
     token = os.environ.get(token_env) or None
     try:
@@ -490,7 +490,7 @@ def deploy_kubernetes(
     and gateway containers), a headless Service, a NetworkPolicy and a ConfigMap. Reads the image tags from the
     Docker engine; touches no cluster."""
     _setup_logging(False)
-    from .kubernetes import render
+    from .deploy.kubernetes import render
 
     try:
         text = render(load_config(config), registry, namespace=namespace, runtime_class=runtime_class,

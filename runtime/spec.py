@@ -26,8 +26,8 @@ from pydantic import (
     model_validator,
 )
 
-from .registry import AUTO, backend_names, backend_type
 from .errors import ConfigError
+from .registry import AUTO, backend_names, backend_type
 from .wire import DEFAULT_CONCURRENCY, DEFAULT_MAX_LOG_BYTES, DEFAULT_WORKERS
 
 _NAME = r"^[A-Za-z_][A-Za-z0-9_\-]*$"

@@ -73,7 +73,7 @@ def docker_client():
 @pytest.fixture(scope="session")
 def base_image(docker_client) -> str:
     """The offline base (debootstrap + import), built once when missing: no registry is needed."""
-    from rewardbox.base_image import OFFLINE_BASE, BaseImageResolver
+    from rewardbox.images.base_image import OFFLINE_BASE, BaseImageResolver
 
     BaseImageResolver(docker_client).ensure(OFFLINE_BASE)
     return OFFLINE_BASE

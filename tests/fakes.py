@@ -16,7 +16,7 @@ import grpc
 from rewardbox import BackendError
 from rewardbox.backends.local import LocalBackend, LocalSandbox
 from rewardbox.errors import TransportError
-from rewardbox.transport import Endpoint
+from rewardbox.scoring.transport import Endpoint
 from rewardbox.wire import Status
 from rewardbox.wire.pb import reward_pb2 as pb
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import pytest
 
-from rewardbox import image
+from rewardbox.images import image
 from tests.conftest import ROOT
 
 # repository folder -> its name in the rewardbox namespace
@@ -95,7 +95,8 @@ def test_the_processes_that_fork_samples_carry_no_module_whose_at_fork_handler_r
 
 def test_importing_the_host_side_loads_no_sandbox_module_and_starts_no_process():
     code = ("import os, sys\n"
-            "import rewardbox, rewardbox.cli, rewardbox.session, rewardbox.client, rewardbox.bench, rewardbox.image\n"
+            "import rewardbox, rewardbox.cli, rewardbox.api.session, rewardbox.scoring.client\n"
+            "import rewardbox.bench.run, rewardbox.images.image\n"
             "import rewardbox.backends.docker, rewardbox.backends.local, rewardbox.trainer\n"
             "from rewardbox import RewardSandboxes, SandboxedReward, load_config, train\n"
             "print(sorted(m for m in sys.modules if m.startswith('rewardbox.sandbox')))\n"
@@ -153,7 +154,7 @@ def test_the_host_package_imports_in_one_direction():
 
 
 def test_the_sandbox_and_service_images_get_every_module_of_the_sandbox_with_its_subpackages():
-    from rewardbox.image import image_files, service_files
+    from rewardbox.images.image import image_files, service_files
 
     sandbox = {path.relative_to(ROOT / "sandbox_image").as_posix() for path in (ROOT / "sandbox_image").rglob("*.py")
                if "__pycache__" not in path.parts}

@@ -12,11 +12,11 @@ from typing import Optional
 
 from transformers import TrainerCallback
 
-from ..client import ScoreReport
+from ..api.session import RewardSandboxes
 from ..errors import RewardboxError, RewardLoadError
-from ..record import FILENAME as RECORD_FILENAME
-from ..record import RunRecorder, file_digest
-from ..session import RewardSandboxes
+from ..report.record import FILENAME as RECORD_FILENAME
+from ..report.record import RunRecorder, file_digest
+from ..scoring.client import ScoreReport
 from ..wire import Status
 
 log = logging.getLogger("rewardbox")
@@ -80,7 +80,7 @@ def plot_rewards(log_history: list[dict], names: list[str], path: Path) -> Optio
 
 
 class RunRecordCallback(TrainerCallback):
-    """Writes the run record (:mod:`rewardbox.record`) of a ``GRPOTrainer`` whose rewards are ``sandboxes``'s:
+    """Writes the run record (:mod:`rewardbox.report.record`) of a ``GRPOTrainer`` whose rewards are ``sandboxes``'s:
     ``GRPOTrainer(..., reward_funcs=sandboxes.rewards, callbacks=[RunRecordCallback(sandboxes)])``. The file is
     ``record.sqlite`` in the trainer's ``output_dir`` unless ``path`` says otherwise; open it with
     ``rewardbox report OUTPUT_DIR``."""

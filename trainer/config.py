@@ -11,7 +11,7 @@ from typing import Any, Literal, Optional, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..environments import EnvironmentSpec
+from ..api.environments import EnvironmentSpec
 from ..errors import ConfigError
 from ..spec import RewardboxConfig, RewardSpec, Where, parse_config, read_yaml_file, yaml_load
 
@@ -135,7 +135,7 @@ def parse_train_config(data: Any, base_dir: Path, where: Where = Where()) -> Tra
 def _check_tools(cfg: TrainConfig, where: Where) -> None:
     """Each ``tools:`` entry: a tool (style ``tool``), its source a .py file whose ``def`` the host can read its
     schema from, its name unique among the tools; the ``environment:``'s source and class likewise."""
-    from ..tools import NOT_FOR_TOOLS, stub_from_source
+    from ..api.tools import NOT_FOR_TOOLS, stub_from_source
 
     names: set[str] = set()
     for i, tool in enumerate(cfg.tools):
@@ -155,8 +155,8 @@ def _check_tools(cfg: TrainConfig, where: Where) -> None:
     cfg.tools = [tool.model_copy(update={"style": "tool"}) for tool in cfg.tools]
     environment = cfg.environment
     if environment is not None:
-        from ..environments import NOT_FOR_ENVIRONMENTS
-        from ..tools import class_stub_from_source
+        from ..api.environments import NOT_FOR_ENVIRONMENTS
+        from ..api.tools import class_stub_from_source
 
         fixed = sorted(set(NOT_FOR_ENVIRONMENTS) & environment.model_fields_set)
         if fixed:

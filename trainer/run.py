@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from ..api.session import RewardSandboxes
 from ..backends import Backend
 from ..errors import ConfigError
-from ..image import default_cache_dir
-from ..session import RewardSandboxes
+from ..images.image import default_cache_dir
 from ..spec import Where
 
 from .callbacks import RewardLog, RewardPlotCallback, RewardReloadCallback, RunRecordCallback
@@ -141,7 +141,7 @@ def train(
         callbacks: extra transformers TrainerCallbacks.
         backend: a sandbox backend to use instead of ``sandbox.backend``.
         in_process: call the reward files in this process as plain TRL reward functions (no sandbox, no isolation;
-            see :mod:`rewardbox.in_process`): for debugging, and to check that sandboxed training matches plain TRL.
+            see :mod:`rewardbox.api.in_process`): for debugging, and to check that sandboxed training matches plain TRL.
     Raises:
         ConfigError, RewardLoadError, ImageBuildError, BackendError: before any model is loaded.
     """
@@ -180,13 +180,13 @@ def train(
 
         tools: Optional[list] = None
         if cfg.tools:
-            from ..tools import tools_from_config
+            from ..api.tools import tools_from_config
 
             with state.local_main_process_first():
                 tool_sandboxes, tools = tools_from_config(cfg, cfg.tools, backend=backend)
         environment_factory = None
         if cfg.environment is not None:
-            from ..environments import environment_from_config
+            from ..api.environments import environment_from_config
 
             with state.local_main_process_first():
                 environment = environment_from_config(cfg, cfg.environment, backend=backend)
@@ -224,7 +224,7 @@ def _train_in_process(cfg: TrainConfig, args, train_ds, eval_ds, state, callback
     from peft import LoraConfig
     from trl import GRPOTrainer
 
-    from ..in_process import in_process_rewards, load_function
+    from ..api.in_process import in_process_rewards, load_function
 
     log.warning("rewards run IN PROCESS: no sandbox, no isolation, no timeouts or fallbacks (--in-process)")
     reward_funcs = in_process_rewards(cfg)

@@ -5,7 +5,6 @@ another package adds one through the ``rewardbox.backends`` entry-point group, o
 conformance suite in ``tests/backends``.
 """
 
-from .base import Backend, BackendSettings, ExternalSandbox, Sandbox, reward_environment
 from ..registry import (
     AUTO,
     ENTRY_POINT_GROUP,
@@ -16,6 +15,7 @@ from ..registry import (
     create_backend,
     register_backend,
 )
+from .base import Backend, BackendSettings, ExternalSandbox, Sandbox, reward_environment
 
 __all__ = [
     "AUTO",

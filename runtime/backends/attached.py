@@ -18,10 +18,10 @@ from typing import Optional, Sequence
 
 from pydantic import Field
 
-from ..spec import RewardSpec
-from ..transport import Endpoint
-from .base import BackendSettings, ExternalSandbox
 from ..registry import BackendType
+from ..scoring.transport import Endpoint
+from ..spec import RewardSpec
+from .base import BackendSettings, ExternalSandbox
 
 
 class AttachedSettings(BackendSettings):

@@ -1,7 +1,7 @@
 """The backend seam: a Backend makes Sandboxes; a Sandbox is one running sandbox server with an Endpoint.
 
 Lifecycle calls are synchronous (subprocess and docker-py are); the async scoring path wraps them once, in
-:class:`rewardbox.replica.Replica`, with ``asyncio.to_thread``.
+:class:`rewardbox.scoring.replica.Replica`, with ``asyncio.to_thread``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from ..errors import BackendError
 
 if TYPE_CHECKING:
     from ..spec import RewardSpec
-    from ..transport import Endpoint
+    from ..scoring.transport import Endpoint
 
 
 class BackendSettings(BaseModel):

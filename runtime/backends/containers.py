@@ -15,7 +15,7 @@ What a container gets (the docker backend's hardening):
   (docker-init, PID 1, keeps it: it only reaps and forwards signals, and no sandbox uid can signal it), and
   reward code is refused namespaces and mounts by the sandbox's own seccomp filter. Where the host confines
   containers with AppArmor, Docker's default profile refuses those mounts: ``apparmor_profile`` names one that
-  allows them (``rewardbox.apparmor``);
+  allows them (``rewardbox.deploy.apparmor``);
 - the gRPC socket's directory is a 1 MiB ``nosuid,nodev,noexec`` tmpfs volume owned by the server uid (mode 0700):
   nothing a container writes lands on host disk, and no sample can reach the socket;
 - memory (no swap), CPU and pids limits; no network unless the reward asks; no ``/dev/shm`` under
@@ -40,7 +40,7 @@ import docker.errors
 import docker.types
 
 from ..errors import BackendError
-from ..transport import Endpoint
+from ..scoring.transport import Endpoint
 
 log = logging.getLogger("rewardbox")
 
@@ -94,7 +94,7 @@ class ContainerSpec:
     # it), "on" (a sandbox that cannot make it stops at start) or "off" (/tmp is read-only, no SYS_ADMIN at all).
     private_tmp: str = "off"
     # The containers' AppArmor profile (None: the engine's, docker-default, which refuses the private /tmp's mounts
-    # on hosts that enforce AppArmor: rewardbox.apparmor).
+    # on hosts that enforce AppArmor: rewardbox.deploy.apparmor).
     apparmor_profile: Optional[str] = None
 
     def capabilities(self) -> list:

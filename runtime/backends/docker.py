@@ -21,14 +21,14 @@ import docker
 import docker.errors
 from pydantic import Field
 
-from .. import apparmor
+from ..deploy import apparmor
 from ..errors import BackendError, ConfigError
-from ..image import IMAGE_REPO, ImageBuilder, image_key
+from ..images.image import IMAGE_REPO, ImageBuilder, image_key
+from ..registry import BackendType
 from ..spec import RewardSpec, SandboxSettings
 from ..wire import DEFAULT_WARM, GVISOR_WARM, SLOT_UID_BASE, sandbox_slots
 from .base import BackendSettings, reward_environment
 from .containers import LABEL, ContainerSpec, DockerSandbox, is_gvisor, remove_leftovers
-from ..registry import BackendType
 
 log = logging.getLogger("rewardbox")
 
@@ -59,7 +59,7 @@ def sample_limits(reward: RewardSpec, slots: int, gvisor: bool) -> tuple[int, Op
 @dataclass(frozen=True)
 class SlotPlan:
     """How one sandbox of a reward is divided: its slot uids and what each sample may use. The same for a
-    container (:meth:`DockerBackend.create`) and a Kubernetes pod (:mod:`rewardbox.kubernetes`)."""
+    container (:meth:`DockerBackend.create`) and a Kubernetes pod (:mod:`rewardbox.deploy.kubernetes`)."""
 
     slots: int  # slot uids (and scratch directories) of the sandbox
     default_warm: int  # warm processes of a reward that sets none

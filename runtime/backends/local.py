@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ..errors import BackendError
-from ..spec import RewardSpec
-from ..transport import Endpoint
-from .base import BackendSettings, reward_environment
 from ..registry import BackendType
+from ..scoring.transport import Endpoint
+from ..spec import RewardSpec
+from .base import BackendSettings, reward_environment
 
 log = logging.getLogger("rewardbox")
 

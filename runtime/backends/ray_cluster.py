@@ -8,7 +8,7 @@ its own node's Docker engine.
         docker: {runtime: runsc} # the node-side sandboxes: sandbox.docker's settings
 
 Ray places and restarts processes; it isolates nothing. So an actor is only a carrier: on its node it runs what
-``rewardbox serve`` runs (:func:`rewardbox.service.serve`: the docker backend's images, hardening and per-sample
+``rewardbox serve`` runs (:func:`rewardbox.serve.service.serve`: the docker backend's images, hardening and per-sample
 isolation) for one replica of one reward, on a TCP port with TLS and a token, and the trainer scores on it like
 on a shared service.
 
@@ -24,8 +24,8 @@ on a shared service.
   actor arguments, so through Ray's object store: whoever can run code on the cluster can read them, as they can
   run code on its nodes anyway.
 - **Faults.** A replica whose actor, container or node dies fails health; the trainer's client retries its
-  unscored samples (:mod:`rewardbox.client`) and the backend replaces it: the old actor is killed and a new one is
-  placed on a live node (Ray restarts nothing by itself: ``max_restarts`` is 0, so the replacement is ours and
+  unscored samples (:mod:`rewardbox.scoring.client`) and the backend replaces it: the old actor is killed and a new one
+  is placed on a live node (Ray restarts nothing by itself: ``max_restarts`` is 0, so the replacement is ours and
   happens once). A dead actor's container is removed by the next actor that starts on its node (its owner process
   is gone: :func:`rewardbox.backends.containers.remove_leftovers`), or when the container's node goes down with it.
 - **The trainer's own node.** The trainer holds the run: if its node dies, the run dies, and its actors (owned by
@@ -52,8 +52,8 @@ from pydantic import Field
 
 from ..errors import BackendError, ConfigError, ImageBuildError, RewardLoadError
 from ..registry import BackendType
+from ..scoring.transport import Endpoint, tcp_answers
 from ..spec import RewardSpec, is_local_package
-from ..transport import Endpoint, tcp_answers
 from .base import BackendSettings, reward_environment
 from .docker import DockerSettings
 
@@ -169,7 +169,7 @@ class RewardServer:
         self.thread.start()
 
     def _run(self) -> None:
-        from ..service import ServiceSecurity, limit_malloc_arenas, serve
+        from ..serve.service import ServiceSecurity, limit_malloc_arenas, serve
 
         limit_malloc_arenas()  # as `rewardbox serve` does: its limits under hostile peers hold here too
 
@@ -182,7 +182,7 @@ class RewardServer:
 
         try:
             from ..backends.docker import docker_settings
-            from ..image import default_cache_dir
+            from ..images.image import default_cache_dir
 
             cache = Path(docker_settings(self.config.sandbox).cache_dir or default_cache_dir()).expanduser()
             cache.mkdir(parents=True, exist_ok=True)

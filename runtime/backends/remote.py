@@ -11,8 +11,9 @@ Start-up asks every endpoint what it serves (which also proves the TLS and token
 CA or a plaintext client against a TLS service fails here, naming the problem, before any sample is scored). Each
 reward gets one replica per endpoint that serves it; the client spreads each batch over them, sets aside an
 endpoint that fails health and sends its unscored samples to the others (the ``shared`` replicas of
-:mod:`rewardbox.replica` and :mod:`rewardbox.client`). A DNS name with several addresses is balanced round-robin by
-gRPC itself; its dead addresses are skipped. Nothing is started or stopped here: the service owns its sandboxes.
+:mod:`rewardbox.scoring.replica` and :mod:`rewardbox.scoring.client`). A DNS name with several addresses is balanced
+round-robin by gRPC itself; its dead addresses are skipped. Nothing is started or stopped here: the service owns its
+sandboxes.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ import grpc
 from pydantic import Field
 
 from ..errors import BackendError, ConfigError, TransportError, read_named_file
-from ..spec import RewardSpec
-from ..transport import Endpoint, GrpcTransport, Transport, host_and_port, tcp_answers
-from .base import BackendSettings, ExternalSandbox
 from ..registry import BackendType
+from ..scoring.transport import Endpoint, GrpcTransport, Transport, host_and_port, tcp_answers
+from ..spec import RewardSpec
+from .base import BackendSettings, ExternalSandbox
 
 log = logging.getLogger("rewardbox")
 

@@ -35,8 +35,8 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
-from ..samples import build_samples
-from ..session import RewardSandboxes
+from ..api.session import RewardSandboxes
+from ..scoring.samples import build_samples
 from ..spec import load_config
 from ..wire import Status
 

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from rewardbox.backends.docker import DockerSettings
 from rewardbox.cli import app
-from rewardbox.image import ImageBuilder
-from rewardbox.kubernetes import Images, manifests
+from rewardbox.images.image import ImageBuilder
+from rewardbox.deploy.kubernetes import Images, manifests
 from rewardbox.spec import load_config
 
 pytestmark = pytest.mark.docker

@@ -15,8 +15,8 @@ import pytest
 from rewardbox import BackendError, build_samples
 from rewardbox.backends import create_backend
 from rewardbox.backends.docker import ContainerSpec, DockerBackend, DockerSandbox, remove_leftovers
-from rewardbox.image import ImageBuilder
-from rewardbox.replica import Replica
+from rewardbox.images.image import ImageBuilder
+from rewardbox.scoring.replica import Replica
 from rewardbox.spec import sandbox_settings_model
 from tests.conftest import default_sigint, run
 from tests.docker.conftest import docker_backend
@@ -291,7 +291,7 @@ def test_a_missing_local_package_is_named_with_its_line(write_config):
 def test_a_config_without_a_base_image_scores_where_no_registry_answers(write_config, docker_client, base_image,
                                                                          caplog):
     from rewardbox import RewardSandboxes, load_config
-    from rewardbox.base_image import OFFLINE_BASE, BaseImageResolver, slim_image
+    from rewardbox.images.base_image import OFFLINE_BASE, BaseImageResolver, slim_image
 
     code = "def r(prompt, completion, example):\n    return float(len(completion))\n"
     path = write_config([{"name": "r", "code": code}], {"backend": "docker"})  # no docker section: auto

@@ -13,7 +13,7 @@ import os
 import pytest
 
 from rewardbox import ToolError, sandboxed_environment
-from rewardbox.environments import end_episode
+from rewardbox.api.environments import end_episode
 from tests.docker.probes import processes_of_my_uid
 from tests.docker.test_tools import act
 

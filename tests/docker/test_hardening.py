@@ -194,7 +194,7 @@ def test_the_apparmor_profile_setting_reaches_the_engine_and_samples_keep_a_priv
     # Where the engine enforces AppArmor, the profile is loaded first (and removed after), and the samples' writes
     # to /tmp test it. This machine's kernel has no AppArmor and its engine ignores the profile: here this checks
     # what the engine is asked and that the sandbox serves (tests/host/test_apparmor compiles the profile).
-    from rewardbox import apparmor
+    from rewardbox.deploy import apparmor
     from rewardbox.backends.docker import confines_with_apparmor
 
     enforced = confines_with_apparmor(docker_client.info())

@@ -10,8 +10,8 @@ import time
 import docker.errors
 import pytest
 
-from rewardbox import ImageBuildError, RewardSandboxes, build_samples, debs, load_config
-from rewardbox.image import ImageBuilder
+from rewardbox import ImageBuildError, RewardSandboxes, build_samples, load_config; from rewardbox.images import debs
+from rewardbox.images.image import ImageBuilder
 from tests.conftest import run
 from tests.docker.conftest import docker_backend
 

@@ -1,4 +1,4 @@
-"""The AppArmor profile for hosts that confine containers with AppArmor (rewardbox.apparmor), and the warning for
+"""The AppArmor profile for hosts that confine containers with AppArmor (rewardbox.deploy.apparmor), and the warning for
 an engine that does so under Docker's default profile. This machine's kernel has no AppArmor: the profile is
 compiled by the real apparmor_parser, not enforced (tests/docker/test_hardening checks it reaches the engine)."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rewardbox import apparmor
+from rewardbox.deploy import apparmor
 from rewardbox.backends.docker import DockerSettings, apparmor_warning
 from rewardbox.errors import BackendError, ConfigError
 from rewardbox.spec import load_config

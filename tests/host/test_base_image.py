@@ -10,7 +10,7 @@ import time
 import docker.errors
 import pytest
 
-from rewardbox.base_image import OFFLINE_BASE, BaseImageResolver, choose_base_image, slim_image
+from rewardbox.images.base_image import OFFLINE_BASE, BaseImageResolver, choose_base_image, slim_image
 
 
 def test_the_slim_image_is_the_hosts_python_version():

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from rewardbox import BackendError, RewardSandboxes, build_samples, parse_config
-from rewardbox.replica import Replica
+from rewardbox.scoring.replica import Replica
 from rewardbox.wire import HARD_TIMEOUT_MARGIN_S, Status
 from rewardbox.wire.pb import reward_pb2 as pb
 from tests.conftest import no_sleep, run

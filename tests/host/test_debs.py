@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from rewardbox import ConfigError, ImageBuildError, load_config
-from rewardbox import debs
+from rewardbox.images import debs
 from rewardbox.backends.docker import DockerSettings
-from rewardbox.image import ImageTarget, content_hash, image_key
+from rewardbox.images.image import ImageTarget, content_hash, image_key
 from rewardbox.spec import RewardSpec
 
 OK = "def exec_reward(prompt, completion, example):\n    return 1.0\n"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from rewardbox import ConfigError, RewardLoadError, RewardSandboxes, build_samples, load_config
-from rewardbox.in_process import in_process_rewards
+from rewardbox.api.in_process import in_process_rewards
 from tests.conftest import run
 
 FACTORIES = """

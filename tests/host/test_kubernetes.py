@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from rewardbox import ConfigError, load_config, parse_config
 from rewardbox.backends.docker import DockerBackend, DockerSettings, slot_plan
 from rewardbox.cli import app
-from rewardbox.kubernetes import Images, manifests, render, resource_name, to_yaml
+from rewardbox.deploy.kubernetes import Images, manifests, render, resource_name, to_yaml
 from rewardbox.spec import sandbox_settings_model, yaml_load
 
 KUBERNETES_VERSIONS = ("1.37.0", "1.30.0")
@@ -182,7 +182,7 @@ def test_the_gateway_runs_serve_as_nobody_with_the_token_and_tls_from_secrets(tw
 
 def test_with_client_certificates_the_gateway_requires_them_and_the_trainers_section_names_theirs(
         two_rewards, monkeypatch):
-    import rewardbox.kubernetes as k8s
+    import rewardbox.deploy.kubernetes as k8s
 
     docs = manifests(two_rewards(), IMAGES, namespace="rl", client_certificates=True)
     for doc in docs:
@@ -303,7 +303,7 @@ def local_tags(config) -> Images:
 
 
 def test_the_leading_comments_say_what_to_create_and_give_the_trainers_sandbox_section(two_rewards, monkeypatch):
-    import rewardbox.kubernetes as k8s
+    import rewardbox.deploy.kubernetes as k8s
 
     monkeypatch.setattr(k8s, "image_tags", local_tags)
     text = render(two_rewards(), "reg.example:5000", namespace="rl")
@@ -324,7 +324,7 @@ def test_the_leading_comments_say_what_to_create_and_give_the_trainers_sandbox_s
 
 
 def test_cli_prints_manifests_that_reference_the_pushed_images(two_rewards, monkeypatch):
-    import rewardbox.kubernetes as k8s
+    import rewardbox.deploy.kubernetes as k8s
 
     config = two_rewards()
     monkeypatch.setattr(k8s, "image_tags", local_tags)
@@ -349,7 +349,7 @@ def test_cli_prints_manifests_that_reference_the_pushed_images(two_rewards, monk
 
 
 def test_sizes_become_exact_kubernetes_quantities_and_a_bad_one_names_its_key(two_rewards):
-    from rewardbox.kubernetes import quantity
+    from rewardbox.deploy.kubernetes import quantity
 
     assert [quantity(s, "k") for s in ("64m", "1g", "1.5g", "512k", "1000")] == ["64Mi", "1Gi", "1536Mi", "512Ki",
                                                                                "1000"]

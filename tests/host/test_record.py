@@ -1,5 +1,5 @@
-"""The run record's own arithmetic and life cycle (rewardbox.record): totals and advantages as GRPO computes them,
-a batch written only once every reward answered, and an earlier run's record kept beside a new one."""
+"""The run record's own arithmetic and life cycle (rewardbox.report.record): totals and advantages as GRPO computes
+them, a batch written only once every reward answered, and an earlier run's record kept beside a new one."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from rewardbox.client import ScoreReport
-from rewardbox.record import RunRecorder, totals_and_advantages
+from rewardbox.scoring.client import ScoreReport
+from rewardbox.report.record import RunRecorder, totals_and_advantages
 from rewardbox.trainer.callbacks import set_aside
 from rewardbox.wire import Status
 
@@ -66,7 +66,7 @@ def test_a_batch_is_written_once_every_reward_answered_and_an_earlier_run_is_kep
 def test_huge_scores_leave_every_view_answering(tmp_path):
     import json
 
-    from rewardbox.report import Record, _clean
+    from rewardbox.report.app import Record, _clean
 
     recorder = RunRecorder(tmp_path / "record.sqlite", [("a", 2.0)], num_generations=2)
     for step in range(4):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from rewardbox import build_samples, samples_from_rows
-from rewardbox.samples import column_problem
+from rewardbox.scoring.samples import column_problem
 from rewardbox.wire import decode_columns, example_of
 
 

@@ -13,7 +13,7 @@ import packaging.version
 import pytest
 
 from rewardbox import ConfigError, RewardLoadError, configure, sandboxed
-from rewardbox import shipping
+from rewardbox.api import shipping
 from tests.conftest import run
 
 LOCAL = {"backend": "local"}

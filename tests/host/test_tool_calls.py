@@ -1,7 +1,7 @@
-"""Each completion's tool calls in the run record (rewardbox.tool_calls, rewardbox.record): read from the conversation
-TRL builds, paired with the notes sandboxed calls leave (status, time), and written beside the completion's scores.
-The conversations are TRL 1.16's own shape (GRPOTrainer._tool_call_loop): an assistant message with ``tool_calls``,
-then the turn's tool messages, sync tools' results first."""
+"""Each completion's tool calls in the run record (rewardbox.report.tool_calls, rewardbox.report.record): read from the
+conversation TRL builds, paired with the notes sandboxed calls leave (status, time), and written beside the completion's
+scores. The conversations are TRL 1.16's own shape (GRPOTrainer._tool_call_loop): an assistant message with
+``tool_calls``, then the turn's tool messages, sync tools' results first."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import sqlite3
 import time
 from types import SimpleNamespace
 
-from rewardbox.record import RunRecorder
-from rewardbox.report import Record
-from rewardbox.tool_calls import CallLog, calls_in, record_rows
+from rewardbox.report.record import RunRecorder
+from rewardbox.report.app import Record
+from rewardbox.report.tool_calls import CallLog, calls_in, record_rows
 from rewardbox.wire import Status
 from tests.host.test_record import report
 

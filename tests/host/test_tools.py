@@ -178,7 +178,7 @@ def test_bad_tools_and_settings_are_refused_before_anything_starts():
 
 
 def test_a_config_tools_schema_is_read_from_its_files_text_without_importing_it(tmp_path):
-    from rewardbox.tools import stub_from_source
+    from rewardbox.api.tools import stub_from_source
 
     source = '''
 import not_installed_here  # the sandbox's package: the host never imports this file

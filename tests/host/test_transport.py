@@ -11,7 +11,7 @@ import trustme
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from rewardbox.errors import TransportError
-from rewardbox.transport import Endpoint, GrpcTransport
+from rewardbox.scoring.transport import Endpoint, GrpcTransport
 from rewardbox.wire import SERVICE_NAME
 from tests.conftest import run
 from rewardbox.wire.pb import reward_pb2 as pb

@@ -14,7 +14,7 @@ import pytest
 from rewardbox import build_samples
 from rewardbox.backends.containers import LABEL
 from rewardbox.errors import TransportError
-from rewardbox.transport import GrpcTransport
+from rewardbox.scoring.transport import GrpcTransport
 from tests.conftest import run, started_sandboxes
 
 SLOW = """

@@ -12,7 +12,7 @@ import pytest
 
 from rewardbox import build_samples
 from rewardbox.backends.containers import LABEL, ContainerSpec, DockerSandbox
-from rewardbox.image import ImageBuilder
+from rewardbox.images.image import ImageBuilder
 from tests.remote.conftest import TOKEN
 
 pytestmark = pytest.mark.docker

@@ -20,7 +20,7 @@ import urllib.request
 import pytest
 
 from rewardbox import ConfigError
-from rewardbox.report import RecordError, make_server
+from rewardbox.report.app import RecordError, make_server
 from rewardbox.trainer import train
 from tests.trainer.test_train import docker_backend, write_reward, write_training_config
 
@@ -301,8 +301,8 @@ def test_new_steps_appear_without_a_reload(page, run_dir):
     # another rank of the run writes one more step while the page is open
     from types import SimpleNamespace
 
-    from rewardbox.client import ScoreReport
-    from rewardbox.record import RunRecorder
+    from rewardbox.scoring.client import ScoreReport
+    from rewardbox.report.record import RunRecorder
     from rewardbox.wire import Status
 
     recorder = RunRecorder(run_dir / "record.sqlite", [("shape", 1.0), ("picky", 0.5)], num_generations=4, rank=1)
@@ -330,8 +330,8 @@ def test_a_record_of_another_schema_says_so(tmp_path):
 def test_each_completions_tool_calls_are_shown_beside_its_scores_as_text(browser, tmp_path):
     from types import SimpleNamespace
 
-    from rewardbox.client import ScoreReport
-    from rewardbox.record import RunRecorder
+    from rewardbox.scoring.client import ScoreReport
+    from rewardbox.report.record import RunRecorder
     from rewardbox.wire import Status
 
     def turn(*calls):

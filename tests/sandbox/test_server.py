@@ -253,7 +253,7 @@ def test_health_reflection_and_describe_are_served(sandboxes):
 def test_reload_during_a_batch_lets_the_old_version_finish_it(sandboxes, tmp_path):
     import asyncio
 
-    from rewardbox.replica import function_source
+    from rewardbox.scoring.replica import function_source
 
     code = """
     import time
@@ -297,7 +297,7 @@ def test_a_sandbox_whose_slots_cannot_be_prepared_reports_not_serving(write_conf
     host replaces the sandbox. (Here: every slot's scratch directory is a file in the way.)"""
     from rewardbox import load_config
     from rewardbox.backends.local import LocalBackend
-    from rewardbox.replica import Replica, function_source
+    from rewardbox.scoring.replica import Replica, function_source
 
     config = load_config(write_config([{"name": "r", "code": "def r(prompt, completion, example):\n    return 1.0\n",
                                         "warm": 2, "workers": 1}]))
@@ -391,7 +391,7 @@ def test_what_a_failed_import_or_a_respawning_thread_leaves_running_is_killed(sa
     # fast as it is killed, outlives the template: its orphans come to the supervisor, which kills every process it
     # did not start itself (review of #40: both ran on as the sandbox's root while the sandbox served). Loaded as new
     # versions of a reward in a running sandbox, which keeps serving the old one.
-    from rewardbox.replica import function_source
+    from rewardbox.scoring.replica import function_source
 
     s = sandboxes([{"name": "versioned", "code": "def versioned(prompt, completion, example):\n    return 1.0\n"}])
     replica, spec = s.replicas["versioned"][0], s.config.rewards[0]

@@ -199,7 +199,7 @@ def test_config_errors_fail_before_training_naming_the_problem(tmp_path, monkeyp
         raise AssertionError("the model was loaded although the config is broken")
 
     monkeypatch.setattr("rewardbox.trainer.run.load_model", must_not_run)
-    monkeypatch.setattr("rewardbox.session.RewardSandboxes.start", must_not_run)
+    monkeypatch.setattr("rewardbox.api.session.RewardSandboxes.start", must_not_run)
     with pytest.raises(ConfigError, match=message):
         train(path)
 

@@ -15,16 +15,16 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Awaitable, Callable, Optional, Sequence
 
-from .backends import Backend, create_backend
-from .client import RewardClient
-from .errors import ConfigError, RewardboxError, RewardLoadError
-from .replica import Replica, function_source
+from ..backends import Backend, create_backend
+from ..errors import ConfigError, RewardboxError, RewardLoadError
+from ..scoring.client import RewardClient
+from ..scoring.replica import Replica, function_source
+from ..scoring.samples import column_problem
+from ..scoring.transport import GrpcTransport, Transport
+from ..spec import RewardboxConfig
+from ..wire import BATCH_KEYWORDS
+from ..wire.pb import reward_pb2 as pb
 from .reward import SandboxedReward
-from .samples import column_problem
-from .spec import RewardboxConfig
-from .transport import GrpcTransport, Transport
-from .wire import BATCH_KEYWORDS
-from .wire.pb import reward_pb2 as pb
 
 log = logging.getLogger("rewardbox")
 

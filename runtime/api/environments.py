@@ -33,17 +33,17 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 from pydantic import Field
 
+from ..errors import ConfigError, RewardboxError
+from ..report.tool_calls import CALLS
+from ..scoring.client import call_bytes, checked, too_much
+from ..scoring.replica import Replica
+from ..spec import RewardSpec, Where, parse_config
+from ..wire import HARD_TIMEOUT_MARGIN_S, Status
+from ..wire.pb import reward_pb2 as pb
 from .dropin import _check_settings, _installs, _spec_name, _validate
-from .errors import ConfigError, RewardboxError
-from .replica import Replica
 from .session import RewardSandboxes
 from .shipping import Shipper, where
-from .spec import RewardSpec, Where, parse_config
-from .client import call_bytes, checked, too_much
-from .tool_calls import CALLS
 from .tools import ToolError, ended_how, result_of
-from .wire import HARD_TIMEOUT_MARGIN_S, Status
-from .wire.pb import reward_pb2 as pb
 
 log = logging.getLogger("rewardbox")
 
@@ -57,8 +57,8 @@ SPECIAL = ("reset", "get_reward")
 
 def pids_for(max_episodes: int) -> int:
     """The container's process limit that leaves each of ``max_episodes`` live episodes room to fork as a sample
-    may (the docker backend's own check: :func:`.backends.docker.slot_plan`), where the user set none."""
-    from .backends.docker import MIN_SLOT_PROCESSES, OWN_PROCESSES
+    may (the docker backend's own check: :func:`..backends.docker.slot_plan`), where the user set none."""
+    from ..backends.docker import MIN_SLOT_PROCESSES, OWN_PROCESSES
 
     return max(256, 2 * max_episodes + 2 * max_episodes * MIN_SLOT_PROCESSES + OWN_PROCESSES)
 

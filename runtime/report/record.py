@@ -24,16 +24,17 @@ Schema (version :data:`SCHEMA_VERSION`, in ``meta``):
   ``id`` is the rank in its top 24 bits and a counter below; ``batch`` numbers the reward calls of a rank,
   ``position`` the completion's place in it;
 - ``scores(completion_id, reward, step, version, value, status, error, logs, latency_s)``: ``step`` repeats the
-  completion's (the graphs aggregate scores without a join); ``value`` after fallbacks (what training used), ``status`` as the sandbox reported it, ``error`` its full traceback, ``logs`` what the reward printed for
-  that sample alone (isolation ``sample``/``process``; "" where it ran with others), ``latency_s`` how long the
-  reward took on it as its sandbox measured (the same isolation levels; batch style: the whole call; else NULL);
+  completion's (the graphs aggregate scores without a join); ``value`` after fallbacks (what training used), ``status``
+  as the sandbox reported it, ``error`` its full traceback, ``logs`` what the reward printed for that sample alone
+  (isolation ``sample``/``process``; "" where it ran with others), ``latency_s`` how long the reward took on it as its
+  sandbox measured (the same isolation levels; batch style: the whole call; else NULL);
 - ``calls(rank, batch, reward, step, logs, latency_s, attempts)``: each reward call, with what it printed as a whole
   and how long it took;
 - ``tool_calls(completion_id, position, step, name, arguments, shown, status, error, latency_s)``: each tool call of
   a completion (TRL's tools and environment methods), in the order made: ``arguments`` as JSON, ``shown`` what the
   model was shown (the result, or ``{'error': ...}``; NULL for a call left unanswered), ``status`` how it ended
   (``ok``, ``error``, ``timeout``, ``crash``, ...), ``error`` rewardbox's text for a call the sandbox ended (it names
-  the limit), ``latency_s`` the call's time on the host (sandboxed calls only: :mod:`rewardbox.tool_calls`).
+  the limit), ``latency_s`` the call's time on the host (sandboxed calls only: :mod:`rewardbox.report.tool_calls`).
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from ..scoring.samples import TRL_RESERVED
 from . import tool_calls
-from .samples import TRL_RESERVED
 
 log = logging.getLogger("rewardbox")
 
@@ -204,7 +205,7 @@ class RunRecorder:
 
     def observe(self, name: str, report, trainer_state: Any, prompts: Sequence[Any], completions: Sequence[Any],
                 columns: dict, completion_ids: Optional[Sequence[Sequence[int]]] = None) -> None:
-        """One reward's report of a batch (from :class:`~rewardbox.reward.SandboxedReward`)."""
+        """One reward's report of a batch (from :class:`~rewardbox.api.reward.SandboxedReward`)."""
         step = int(getattr(trainer_state, "global_step", 0) or 0)
         # The same batch, whichever reward reports it (TRL passes every reward the same lists; callers of their
         # own may pass copies): its step and its completions.

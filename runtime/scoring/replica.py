@@ -1,7 +1,7 @@
 """``Replica``: one running sandbox of a reward, the functions loaded into it, and its recovery.
 
 Lifecycle calls are synchronous (subprocesses and docker-py are); the async scoring path calls them through
-``asyncio.to_thread``. RPCs go through a :class:`~rewardbox.transport.Connection` from the replica's transport.
+``asyncio.to_thread``. RPCs go through a :class:`~rewardbox.scoring.transport.Connection` from the replica's transport.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Optional, Sequence
 
 import grpc
 
-from .backends.base import Sandbox
-from .errors import BackendError, RewardLoadError, TransportError
-from .spec import RewardSpec
+from ..backends.base import Sandbox
+from ..errors import BackendError, RewardLoadError, TransportError
+from ..spec import RewardSpec
+from ..wire.pb import reward_pb2 as pb
 from .transport import Connection, GrpcTransport, Transport
-from .wire.pb import reward_pb2 as pb
 
 _ISOLATION = {"sample": pb.ISOLATION_SAMPLE, "process": pb.ISOLATION_PROCESS, "worker": pb.ISOLATION_WORKER}
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from .wire import BATCH_KEYWORDS, TRAINER_OBJECTS, encode_columns, json_problem
-from .wire.pb import reward_pb2 as pb
+from ..wire import BATCH_KEYWORDS, TRAINER_OBJECTS, encode_columns, json_problem
+from ..wire.pb import reward_pb2 as pb
 
 # Keyword arguments TRL passes that are not dataset columns.
 TRL_RESERVED = frozenset(BATCH_KEYWORDS + TRAINER_OBJECTS)

@@ -14,14 +14,14 @@
     ``run_tests`` sandboxed (``isolation: sample``, ``workers: 2``) under runc and gVisor, versus the naive reward
     (``subprocess.run`` per test) in-process on a pool of 2 threads, and versus one ``docker run`` per sample, 2 at
     a time; beside open-r1's published E2B figure;
-(h) ``isolation: sample`` at real batch sizes (1,024 and 4,096 completions): see :mod:`.bench_isolation`;
-(r) the run record's cost and size, and the report's views on 100,000 completions: see :mod:`.bench_report`;
+(h) ``isolation: sample`` at real batch sizes (1,024 and 4,096 completions): see :mod:`.isolation`;
+(r) the run record's cost and size, and the report's views on 100,000 completions: see :mod:`.report`;
 (y) the trivial reward of (a) (``isolation: worker``) through the ray backend on a Ray cluster of this machine
-    beside the local path of (a): see :mod:`.bench_ray`;
+    beside the local path of (a): see :mod:`.ray_backend`;
 (t) a TRL tool's call through ``rewardbox.sandboxed_tools`` beside the same call in-process: see
-    :mod:`.bench_tools`;
+    :mod:`.tools`;
 (v) a TRL environment through ``rewardbox.sandboxed_environment``: resets as TRL calls them, method calls, memory
-    per live episode, 256 live episodes: see :mod:`.bench_tools`.
+    per live episode, 256 live episodes: see :mod:`.tools`.
 Targets are printed beside the figures, never asserted.
 """
 
@@ -38,11 +38,11 @@ from typing import Callable
 
 import docker.errors
 
-from .backends.docker import DockerBackend, engine_client
-from .image import ImageBuilder
-from .samples import build_samples
-from .session import RewardSandboxes
-from .spec import parse_config
+from ..api.session import RewardSandboxes
+from ..backends.docker import DockerBackend, engine_client
+from ..images.image import ImageBuilder
+from ..scoring.samples import build_samples
+from ..spec import parse_config
 
 REWARDS = textwrap.dedent(
     """
@@ -181,25 +181,25 @@ def run_bench(base_image: str, iterations: int = 200, progress: Callable[[str], 
         if "g" in parts:
             figures.extend(_code(client, builder, directory, base_image, progress))
         if "h" in parts:
-            from .bench_isolation import isolation_figures
+            from .isolation import isolation_figures
 
             figures.extend(isolation_figures(client, directory / "h", base_image, _config, _backend, progress,
                                              Figure, REWARDS))
         if "y" in parts:
-            from .bench_ray import ray_figures
+            from .ray_backend import ray_figures
 
             figures.extend(ray_figures(directory, base_image, samples, iterations, base, sandboxed[WORKER],
                                        _batch_times, progress, Figure))
         if "t" in parts:
-            from .bench_tools import tool_figures
+            from .tools import tool_figures
 
             figures.extend(tool_figures(base_image, iterations, progress, Figure))
         if "v" in parts:
-            from .bench_tools import environment_figures
+            from .tools import environment_figures
 
             figures.extend(environment_figures(client, base_image, iterations, progress, Figure))
         if "r" in parts:
-            from .bench_report import report_figures
+            from .report import report_figures
 
             figures.extend(report_figures(directory / "r", base_image, progress, Figure))
     return figures
@@ -375,7 +375,7 @@ def _judge(client, directory: Path, base_image: str) -> list[Figure]:
     server.start()
     port = ready.get(timeout=30)
     url = f"http://127.0.0.1:{port}/v1"
-    source = Path(__file__).resolve().parents[1] / "examples" / "llm_judge" / "judge.py"
+    source = Path(__file__).resolve().parents[2] / "examples" / "llm_judge" / "judge.py"
     if not source.is_file():  # an installed wheel has no examples folder
         return [Figure("256 judge calls: needs examples/llm_judge/judge.py (a source checkout)", "-", "-", None)]
     shutil.copy(source, directory / "judge.py")

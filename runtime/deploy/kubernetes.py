@@ -31,12 +31,12 @@ import docker.errors
 import docker.utils
 import yaml
 
-from .backends.containers import SOCKET_DIR_IN_CONTAINER, SOCKET_NAME, ContainerSpec, is_gvisor
-from .backends.docker import NOBODY, docker_settings, slot_plan
-from .errors import ConfigError
-from .image import image_key, registry_reference
-from .service import DRAIN_GRACE_S, TOKEN_ENV
-from .spec import RewardboxConfig, RewardSpec, SandboxSettings
+from ..backends.containers import SOCKET_DIR_IN_CONTAINER, SOCKET_NAME, ContainerSpec, is_gvisor
+from ..backends.docker import NOBODY, docker_settings, slot_plan
+from ..errors import ConfigError
+from ..images.image import image_key, registry_reference
+from ..serve.service import DRAIN_GRACE_S, TOKEN_ENV
+from ..spec import RewardboxConfig, RewardSpec, SandboxSettings
 
 PORT = 50051
 PREFIX = "rewardbox-"
@@ -68,7 +68,7 @@ _CONFIGMAP_MAX_BYTES = 1000 * 1000  # the API server's limit is 1 MiB for the wh
 
 @dataclass(frozen=True)
 class Images:
-    """The images of a deployment: the sandbox image of each package set (:func:`~rewardbox.image.image_key` ->
+    """The images of a deployment: the sandbox image of each package set (:func:`~rewardbox.images.image.image_key` ->
     image) and the service image (the gateway)."""
 
     sandbox: Mapping[tuple, str]
@@ -521,8 +521,8 @@ def image_tags(config: RewardboxConfig) -> Images:
         BackendError: no Docker engine answers.
         ImageBuildError: the base image cannot be had.
     """
-    from .backends.docker import engine_client
-    from .image import ImageBuilder
+    from ..backends.docker import engine_client
+    from ..images.image import ImageBuilder
 
     settings = docker_settings(config.sandbox)
     client = engine_client()

@@ -38,15 +38,15 @@ import typing
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
-from .client import RewardClient
+from ..errors import ConfigError
+from ..report.tool_calls import CALLS
+from ..scoring.client import RewardClient
+from ..spec import Where, parse_config
+from ..wire import DEFAULT_WARM, Status
+from ..wire.pb import reward_pb2 as pb
 from .dropin import SETTINGS, _check_settings, _installs, _merge, _spec_name, _validate
-from .errors import ConfigError
 from .session import RewardSandboxes
 from .shipping import Shipper, where
-from .spec import Where, parse_config
-from .tool_calls import CALLS
-from .wire import DEFAULT_WARM, Status
-from .wire.pb import reward_pb2 as pb
 
 log = logging.getLogger("rewardbox")
 
@@ -289,7 +289,7 @@ def stub_from_source(path: Path, function: str) -> Callable:
 def class_stub_from_source(path: Path, name: str) -> type:
     """A class with the name, docstring and methods (stand-ins with each one's signature, docstring and type hints,
     async where the original is) of ``class name`` in ``path``, read from the file's syntax: what
-    :func:`rewardbox.environments.proxy_class` reads an environment's tools from.
+    :func:`rewardbox.api.environments.proxy_class` reads an environment's tools from.
 
     Raises:
         ConfigError: no such class at the top of the file, or a method whose hints or defaults cannot be read.

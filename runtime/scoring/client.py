@@ -25,11 +25,11 @@ from typing import Awaitable, Callable, Optional, Sequence
 import grpc
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
-from .errors import BackendError, TransportError
+from ..errors import BackendError, TransportError
+from ..spec import RewardSpec, SandboxSettings
+from ..wire import CALL_STYLES, HARD_TIMEOUT_MARGIN_S, MAX_MESSAGE_BYTES, Outcome, Status
+from ..wire.pb import reward_pb2 as pb
 from .replica import Replica
-from .spec import RewardSpec, SandboxSettings
-from .wire import CALL_STYLES, HARD_TIMEOUT_MARGIN_S, MAX_MESSAGE_BYTES, Outcome, Status
-from .wire.pb import reward_pb2 as pb
 
 log = logging.getLogger("rewardbox")
 

@@ -32,8 +32,8 @@ from typing import Callable, Literal, Sequence
 import docker
 import docker.errors
 
-from .errors import ImageBuildError
-from .spec import is_debian_package
+from ..errors import ImageBuildError
+from ..spec import is_debian_package
 
 log = logging.getLogger("rewardbox")
 

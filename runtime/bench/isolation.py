@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from .samples import build_samples
-from .session import RewardSandboxes
+from ..api.session import RewardSandboxes
+from ..scoring.samples import build_samples
 
 # Beside the bench's own rewards (its cpu_bound among them), in the same file.
 REWARDS = textwrap.dedent(
@@ -45,7 +45,7 @@ REWARDS = textwrap.dedent(
         return float(namespace.get("score", 0.0))
     """
 )
-QUICKSTART_REWARD = Path(__file__).resolve().parents[1] / "examples" / "quickstart" / "rewards" / "correct.py"
+QUICKSTART_REWARD = Path(__file__).resolve().parents[2] / "examples" / "quickstart" / "rewards" / "correct.py"
 
 # CPU seconds per fork of this process (its children's included) with ``child(i)`` run in the i-th child before it
 # exits.

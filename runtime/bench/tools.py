@@ -43,7 +43,7 @@ def _percentile(values: list, q: float) -> float:
 
 
 def tool_figures(base_image: str, iterations: int, progress: Callable[[str], None], Figure) -> list:
-    from .tools import sandboxed_tools
+    from ..api.tools import sandboxed_tools
 
     progress(f"(t) {iterations} tool calls one at a time, then 64 at once, sandboxed and in-process")
     namespace: dict = {"__name__": "bench_tool"}
@@ -119,7 +119,7 @@ def _container_memory(client) -> int:
 
 
 def environment_figures(client, base_image: str, iterations: int, progress: Callable[[str], None], Figure) -> list:
-    from .environments import end_episode, sandboxed_environment
+    from ..api.environments import end_episode, sandboxed_environment
 
     namespace: dict = {"__name__": "bench_environment"}
     exec(ENVIRONMENT, namespace)

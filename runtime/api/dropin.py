@@ -20,10 +20,10 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 from pydantic import ValidationError
 
-from .errors import ConfigError
+from ..errors import ConfigError
+from ..spec import RewardSpec, Where, format_validation_error, parse_config
 from .session import RewardSandboxes
 from .shipping import Shipper, signature_style, where
-from .spec import RewardSpec, Where, format_validation_error, parse_config
 
 log = logging.getLogger("rewardbox")
 

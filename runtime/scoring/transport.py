@@ -22,10 +22,10 @@ from typing import Optional, Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .errors import TransportError
-from .wire import GRPC_OPTIONS, SERVICE_NAME
-from .wire.pb import reward_pb2 as pb
-from .wire.pb import reward_pb2_grpc as pb_grpc
+from ..errors import TransportError
+from ..wire import GRPC_OPTIONS, SERVICE_NAME
+from ..wire.pb import reward_pb2 as pb
+from ..wire.pb import reward_pb2_grpc as pb_grpc
 
 # gRPC waits 1 s before reconnecting after a failed connect; a sandbox that is starting (or restarting) is up
 # well before that, so reconnect quickly. min_reconnect_backoff_ms is also the least time a connection attempt may
@@ -150,7 +150,8 @@ class GrpcConnection:
         self._options = endpoint.channel_options()
         self._control: Optional[grpc.Channel] = None
         self._aio: dict[asyncio.AbstractEventLoop, tuple[grpc.aio.Channel, pb_grpc.RewardSandboxStub]] = {}
-        # Who its calls come from, for a shared service's fair shares of max_in_flight (rewardbox.service.client_of)
+        # Who its calls come from, for a shared service's fair shares of max_in_flight
+        # (rewardbox.serve.service.client_of)
         self._client = (("x-rewardbox-client", f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"),)
 
     def _channel(self) -> grpc.Channel:

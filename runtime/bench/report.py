@@ -20,14 +20,14 @@ from typing import Callable
 
 import yaml
 
-from .client import ScoreReport
-from .record import RunRecorder
-from .report import Record
-from .session import RewardSandboxes
-from .spec import load_config
-from .wire import Status
+from ..api.session import RewardSandboxes
+from ..report.app import Record
+from ..report.record import RunRecorder
+from ..scoring.client import ScoreReport
+from ..spec import load_config
+from ..wire import Status
 
-QUICKSTART = Path(__file__).resolve().parent.parent / "examples" / "quickstart" / "config.yaml"
+QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart" / "config.yaml"
 SYSTEM = "Think inside <think></think>, then give the number inside <answer></answer>."
 
 

@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from .samples import TRL_RESERVED, as_text, is_messages
-from .spec import RewardboxConfig, RewardSpec
-from .wire import OPTIONAL_KEYWORDS, stringify
+from ..scoring.samples import TRL_RESERVED, as_text, is_messages
+from ..spec import RewardboxConfig, RewardSpec
+from ..wire import OPTIONAL_KEYWORDS, stringify
 
 
 def load_function(reward: RewardSpec, path: Path) -> Callable:

@@ -41,8 +41,8 @@ import cloudpickle
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 
-from .errors import ConfigError
-from .spec import is_local_package
+from ..errors import ConfigError
+from ..spec import is_local_package
 
 BY_VALUE = frozenset({"trl"})  # distributions shipped by value, with the modules of no distribution
 TRAINER_STACK = frozenset(canonicalize_name(d) for d in (

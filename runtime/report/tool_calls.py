@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from .wire import Status
+from ..wire import Status
 
 # Calls noted and not yet recorded (a batch of 1,024 rollouts' several times over); the oldest go first. A note keeps
 # digests of the arguments and of what was shown (the record writes both from the conversation), and the start of a

@@ -1,12 +1,12 @@
 """``rewardbox serve``: one authenticated gRPC endpoint in front of a config's sandboxes, shared by many trainers
 and ranks.
 
-The service starts the config's rewards exactly as a trainer would (:class:`~rewardbox.session.RewardSandboxes` on
+The service starts the config's rewards exactly as a trainer would (:class:`~rewardbox.api.session.RewardSandboxes` on
 the configured backend: hardened containers by default) and answers the sandbox protocol itself (Load, Score,
 Describe, gRPC health and reflection), so a trainer reaches it with ``sandbox.backend: remote`` and nothing else
 changes:
 
-- **Score** goes to the reward's :class:`~rewardbox.client.RewardClient` here, which spreads it over the local
+- **Score** goes to the reward's :class:`~rewardbox.scoring.client.RewardClient` here, which spreads it over the local
   replicas with their deadlines, retries and recovery. Each sample comes back with its own status; a sample the
   local sandboxes could not score comes back ``unavailable`` (never a fallback value), so the trainer's client tries
   it on another service and applies its own ``default_score``.
@@ -48,12 +48,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from .errors import ConfigError, RewardboxError, RewardLoadError, read_named_file
-from .session import RewardSandboxes
-from .spec import RewardboxConfig, RewardSpec
-from .wire import HARD_TIMEOUT_MARGIN_S, MAX_MESSAGE_BYTES, SERVICE_NAME, STYLE_NAMES, VERSION, Status
-from .wire.pb import reward_pb2 as pb
-from .wire.pb import reward_pb2_grpc as pb_grpc
+from ..api.session import RewardSandboxes
+from ..errors import ConfigError, RewardboxError, RewardLoadError, read_named_file
+from ..spec import RewardboxConfig, RewardSpec
+from ..wire import HARD_TIMEOUT_MARGIN_S, MAX_MESSAGE_BYTES, SERVICE_NAME, STYLE_NAMES, VERSION, Status
+from ..wire.pb import reward_pb2 as pb
+from ..wire.pb import reward_pb2_grpc as pb_grpc
 
 log = logging.getLogger("rewardbox")
 

@@ -17,8 +17,8 @@ def ray_figures(directory: Path, base_image: str, samples: list, iterations: int
     import ray
     from ray.cluster_utils import Cluster
 
-    from .session import RewardSandboxes
-    from .spec import parse_config
+    from ..api.session import RewardSandboxes
+    from ..spec import parse_config
 
     progress(f"(y) overhead through the ray backend (head + 2 worker nodes here), {iterations} batches of 64")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})

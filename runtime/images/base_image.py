@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import docker
 import docker.errors
 
-from .errors import ImageBuildError
+from ..errors import ImageBuildError
 
 log = logging.getLogger("rewardbox")
 

@@ -22,7 +22,7 @@ import subprocess
 from pathlib import Path
 from typing import Optional
 
-from .errors import BackendError
+from ..errors import BackendError
 
 NAME = "rewardbox-sandbox"
 RESERVED = ("docker-default", "unconfined")  # the engine's own: installing over docker-default loosens every container

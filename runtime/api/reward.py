@@ -11,10 +11,10 @@ import asyncio
 import logging
 from typing import Any, Callable, Optional, Sequence
 
-from .client import RewardClient, ScoreReport
-from .samples import TRL_RESERVED, build_samples, column_problem
-from .wire import Status, trainer_state_to_wire
-from .wire.pb import reward_pb2 as pb
+from ..scoring.client import RewardClient, ScoreReport
+from ..scoring.samples import TRL_RESERVED, build_samples, column_problem
+from ..wire import Status, trainer_state_to_wire
+from ..wire.pb import reward_pb2 as pb
 
 log = logging.getLogger("rewardbox")
 
@@ -41,7 +41,7 @@ class SandboxedReward:
         self.__qualname__ = self.__name__
         self.listeners: list[Callable[[ScoreReport, Optional[pb.TrainerState]], None]] = []
         # Called with (name, report, trainer_state, prompts, completions, columns, completion_ids) after each batch:
-        # the run record (rewardbox.record.RunRecorder.observe).
+        # the run record (rewardbox.report.record.RunRecorder.observe).
         self.recorders: list[Callable[..., None]] = []
         self.last_report: Optional[ScoreReport] = None
 

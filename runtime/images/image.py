@@ -38,11 +38,11 @@ from packaging.requirements import Requirement
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ..errors import ConfigError, ImageBuildError, ImagePushError
+from ..spec import RewardSpec, is_local_package
+from ..wire import VERSION
 from .base_image import BaseImageResolver
 from .debs import BUILD, HOST, SystemPackagesFrom, prepare_debs
-from .errors import ConfigError, ImageBuildError, ImagePushError
-from .spec import RewardSpec, is_local_package
-from .wire import VERSION
 
 
 
@@ -66,8 +66,7 @@ IMAGE_INIT = (f'"""rewardbox {VERSION}, sandbox side: rewardbox.sandbox and rewa
 SERVICE_REPO = "rewardbox-service"
 # What goes into the service image: every package of rewardbox but the trainer (it needs the train extra), each
 # package's own files (a wheel nests the subpackages inside rewardbox/, a checkout maps them from other folders).
-SERVICE_PACKAGES = ("rewardbox", "rewardbox.backends", "rewardbox.sandbox", "rewardbox.wire", "rewardbox.wire.pb")
-SERVICE_WHOLE = ("rewardbox.sandbox",)  # of SERVICE_PACKAGES, those that go with their subpackages
+SERVICE_PACKAGES = ("rewardbox", "rewardbox.sandbox", "rewardbox.wire")  # each with its subpackages
 SERVICE_DOCKERFILE = "Dockerfile.service"
 # A registry as `rewardbox build --push --registry` takes it: host[:port], then path components (no scheme, no tag).
 _REGISTRY = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)*$")
@@ -191,12 +190,12 @@ def image_files() -> dict[str, Path]:
 def service_files() -> dict[str, Path]:
     """What of rewardbox goes into the service image, by its path under the image's ``rewardbox/`` folder: the
     modules, stubs and ``py.typed`` of SERVICE_PACKAGES (with the package's own ``__init__.py`` and ``__main__.py``,
-    so ``python3 -m rewardbox serve`` works there), and the subpackages of SERVICE_WHOLE."""
+    so ``python3 -m rewardbox serve`` works there), with their subpackages."""
     files = {}
     for name in SERVICE_PACKAGES:
         root = package_dir(name)
         prefix = "".join(f"{part}/" for part in name.split(".")[1:])
-        for path in sorted(root.rglob("*") if name in SERVICE_WHOLE else root.iterdir()):
+        for path in sorted(root.rglob("*")):
             if path.is_file() and (path.suffix in (".py", ".pyi") or path.name == "py.typed") \
                     and path.name != "protogen.py" and "__pycache__" not in path.parts:
                 files[f"{prefix}{path.relative_to(root).as_posix()}"] = path

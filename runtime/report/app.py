@@ -1,5 +1,5 @@
-"""``rewardbox report OUTPUT_DIR``: a local web app over a run record (:mod:`rewardbox.record`), live while training
-writes it and usable after.
+"""``rewardbox report OUTPUT_DIR``: a local web app over a run record (:mod:`rewardbox.report.record`), live while
+training writes it and usable after.
 
 The server is the standard library's threading HTTP server: the app is a few read-only JSON queries over one
 SQLite file, which needs no framework, and no dependency means nothing more to install or keep patched. Every
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 from urllib.parse import parse_qs, urlsplit
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .record import FILENAME, SCHEMA_VERSION, connect
 
 PAGE_LIMIT = 200
@@ -465,7 +465,7 @@ class Handler(BaseHTTPRequestHandler):
             kind = "text/javascript; charset=utf-8"
         else:
             name = STATIC[path]
-            body = resources.files("rewardbox").joinpath("report_static", name).read_bytes()
+            body = resources.files("rewardbox.report").joinpath("static", name).read_bytes()
             kind = (mimetypes.guess_type(name)[0] or "application/octet-stream") + "; charset=utf-8"
         self._send(HTTPStatus.OK, body, kind, extra)
 
