@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import logging
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from transformers import TrainerCallback
 
@@ -88,6 +90,7 @@ class RunRecordCallback(TrainerCallback):
     def __init__(self, sandboxes: RewardSandboxes, path: Optional[Path] = None):
         self.sandboxes = sandboxes
         self.path = path
+        self.environment_rewards: list = []  # (name, weight) of the rewards TRL added for environments
         self.recorder: Optional[RunRecorder] = None
         self._make = None  # other ranks open the record at their first batch (see on_train_begin)
         self._versions: list = []  # reloads seen before the record was open
@@ -104,7 +107,7 @@ class RunRecordCallback(TrainerCallback):
             set_aside(path)  # a new run: an earlier run's record in this directory is kept beside, not mixed in
 
         def make() -> RunRecorder:
-            return RunRecorder(path, [(r.name, w) for r, w in zip(rewards, weights)],
+            return RunRecorder(path, [(r.name, w) for r, w in zip(rewards, weights)] + self.environment_rewards,
                                num_generations=getattr(args, "num_generations", 1) or 1,
                                rank=getattr(args, "process_index", 0), tokenizer=processing_class, versions=versions)
 
@@ -116,6 +119,28 @@ class RunRecordCallback(TrainerCallback):
             self._make = make
         for reward in rewards:
             reward.recorders.append(self._observe)
+
+    def record_environment_rewards(self, trainer: Any, first: int) -> None:
+        """Records the rewards TRL added to ``trainer`` for environments that own one (``get_reward``, after the
+        ``first`` reward functions, which are the sandboxes' own): each is wrapped, before training starts, so that
+        the values TRL gets, with each sandboxed episode's status, error and time, reach the record as a reward's
+        scores of their own (weight as TRL gives it)."""
+        from ..api.environments import reward_report
+
+        for j in range(first, len(trainer.reward_funcs)):
+            name, original = trainer.reward_func_names[j], trainer.reward_funcs[j]
+            self.environment_rewards.append((name, float(trainer.reward_weights[j])))
+
+            def observed(values, started: float, kwargs: dict, name: str = name) -> None:
+                try:
+                    report = reward_report(name, values, kwargs.get("environments") or [],
+                                           time.monotonic() - started)
+                    self._observe(name, report, kwargs.get("trainer_state"), kwargs["prompts"],
+                                  kwargs["completions"], kwargs, kwargs.get("completion_ids"))
+                except Exception:  # noqa: BLE001 - the record must never stop training
+                    log.exception("environment reward %s: the run record failed", name)
+
+            trainer.reward_funcs[j] = _observing(original, observed)
 
     def _observe(self, *args) -> None:
         if self.recorder is None:
@@ -145,6 +170,27 @@ class RunRecordCallback(TrainerCallback):
         if self.recorder is not None:
             self.recorder.close()
             self.recorder = None
+
+
+def _observing(original: Callable, observed: Callable) -> Callable:
+    """``original`` (a reward function TRL calls with keywords only), sync or async as it is, calling
+    ``observed(values, started, kwargs)`` with what it returned."""
+    if inspect.iscoroutinefunction(original):
+        async def recorded_async(**kwargs: Any) -> Any:
+            started = time.monotonic()
+            values = await original(**kwargs)
+            observed(values, started, kwargs)
+            return values
+
+        return functools.wraps(original)(recorded_async)
+
+    def recorded(**kwargs: Any) -> Any:
+        started = time.monotonic()
+        values = original(**kwargs)
+        observed(values, started, kwargs)
+        return values
+
+    return functools.wraps(original)(recorded)
 
 
 def set_aside(path: Path) -> Optional[Path]:

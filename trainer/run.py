@@ -201,6 +201,7 @@ def train(
             callbacks=[record, RewardReloadCallback(sandboxes, reward_log, on_reload=record.new_version),
                        RewardPlotCallback(output_dir / "rewards.png", names), *callbacks],
         )
+        record.record_environment_rewards(trainer, first=len(sandboxes.rewards))
         trainer.train()
         trainer.save_model(str(output_dir))
         if state.is_main_process:

@@ -29,13 +29,13 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence, Union
 
 from pydantic import Field
 
 from ..errors import ConfigError, RewardboxError
 from ..report.tool_calls import CALLS
-from ..scoring.client import call_bytes, checked, too_much
+from ..scoring.client import ScoreReport, call_bytes, checked, too_much
 from ..scoring.replica import Replica
 from ..spec import RewardSpec, Where, parse_config
 from ..wire import HARD_TIMEOUT_MARGIN_S, Status
@@ -151,6 +151,37 @@ class _Episodes:
             return Status.INVALID, None, str(e)
 
 
+class RewardOutcome(NamedTuple):
+    """What an episode's last ``get_reward()`` gave: the value TRL got (``default_score`` where it fell back), its
+    status, the error (or why the value was refused), and how long the call took."""
+
+    value: Optional[float]
+    status: Status
+    error: str
+    seconds: float
+
+
+def reward_report(name: str, values: Sequence, environments: Sequence, latency_s: float) -> ScoreReport:
+    """The run record's report of a batch of ``get_reward()`` calls (TRL's environment reward ``name``, which gave
+    ``values``, one per rollout, from ``environments``): each sandboxed episode's status, error and time where its
+    proxy kept them; a value TRL gave for an environment of another class (None) is recorded as it is."""
+    statuses: list = []
+    errors: list = []
+    seconds: list = []
+    for value, environment in zip(values, environments):
+        outcome = getattr(environment, "reward_outcome", None) if type(environment).__name__ == name else None
+        if outcome is None or outcome.value != value:
+            statuses.append(Status.OK)
+            errors.append(None)
+            seconds.append(None)
+        else:
+            statuses.append(outcome.status)
+            errors.append(outcome.error or None)
+            seconds.append(outcome.seconds)
+    return ScoreReport(name=name, values=list(values), statuses=statuses, errors=errors, latency_s=latency_s,
+                       sample_logs=[""] * len(statuses), sample_seconds=seconds, attempts=1)
+
+
 class EnvironmentProxy:
     """Base of the classes :func:`sandboxed_environment` makes (one per environment class, named after it, with its
     public methods): one instance per instance TRL makes, each the handle of one episode at a time."""
@@ -161,6 +192,7 @@ class EnvironmentProxy:
         self._episode = ""  # the live episode's id ("" before the first reset)
         self._replica: Optional[Replica] = None
         self._gone = ""  # why the episode's process is gone ("" while it lives)
+        self.reward_outcome: Optional[RewardOutcome] = None  # what the last get_reward() gave (see _reward)
         # An episode's calls run one at a time in the order they were made (TRL gathers a rollout's calls: started
         # in order, in-process they would run in order); asyncio's lock is fair. One per event loop.
         self._order: dict = {}
@@ -188,6 +220,7 @@ class EnvironmentProxy:
         previous, self._episode = self._episode, ""
         episodes.live.discard(previous)
         self._gone = ""
+        self.reward_outcome = None
         if len(episodes.live) >= episodes.max_episodes:
             self._episode = previous
             return self._refuse(f"more than max_episodes={episodes.max_episodes} episodes of {episodes.name} are "
@@ -262,16 +295,20 @@ class EnvironmentProxy:
 
     async def _reward(self) -> Optional[float]:
         """``get_reward()``: the episode's reward, or ``default_score`` where it has none (its process is gone, it
-        raised, or it returned something other than a finite number or None)."""
+        raised, or it returned something other than a finite number or None). What it gave, with its status, error
+        and time, stays as :attr:`reward_outcome` for the run record."""
         default = self._episodes.spec.default_score
+        started = time.monotonic()
         try:
             value = await self._call("get_reward", {})
         except ToolError as e:
             log.warning("environment %s: get_reward fell back to %r: %s", self._episodes.name, default, e)
+            self.reward_outcome = RewardOutcome(default, e.status, str(e), time.monotonic() - started)
             return default
-        if value is None:
-            return None
         number = None
+        if value is None:
+            self.reward_outcome = RewardOutcome(None, Status.OK, "", time.monotonic() - started)
+            return None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             try:
                 number = float(value)  # an int past a float's range raises
@@ -280,7 +317,11 @@ class EnvironmentProxy:
         if number is None or not math.isfinite(number):
             log.warning("environment %s: get_reward returned %.200r, not a finite number: %r instead",
                         self._episodes.name, value, default)
+            self.reward_outcome = RewardOutcome(default, Status.INVALID,
+                                                f"get_reward returned {value!r:.200}, not a finite number",
+                                                time.monotonic() - started)
             return default
+        self.reward_outcome = RewardOutcome(number, Status.OK, "", time.monotonic() - started)
         return number
 
 

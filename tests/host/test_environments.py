@@ -209,3 +209,57 @@ def test_hostile_or_odd_resets_and_rewards_never_raise_nor_leak_a_process():
         assert env.reset(offset=400) == "counting from 400"
         assert env.get_reward() == -2.0  # 10**400: not a float; the fallback
         assert run(other.bump(by=1)) == 1
+
+
+def test_trls_environment_reward_reaches_the_run_record_with_each_episodes_status(tmp_path):
+    # What RunRecordCallback.record_environment_rewards puts around the get_reward function TRL adds: the values
+    # TRL gets, unchanged, and the record's report of them
+    from rewardbox.api.environments import RewardOutcome, reward_report
+    from rewardbox.trainer.callbacks import RunRecordCallback
+
+    class Counter:  # stands for the proxy class sandboxed_environment makes, named after the environment
+        def __init__(self, outcome):
+            self.reward_outcome = outcome
+
+    class Other:
+        pass
+
+    environments = [Counter(RewardOutcome(2.0, Status.OK, "", 0.01)),
+                    Counter(RewardOutcome(-1.0, Status.TIMEOUT, "get_reward() exceeded timeout_s=5", 5.0)),
+                    Other()]
+    trainer = type("Trainer", (), {})()
+
+    def get_reward(environments, **kwargs):  # as TRL 1.16 writes it for a sync get_reward
+        return [e.reward_outcome.value if type(e) is Counter else None for e in environments]
+
+    trainer.reward_funcs, trainer.reward_func_names, trainer.reward_weights = ["own", get_reward], ["own", "Counter"], \
+        [1.0, 1.0]
+    callback = RunRecordCallback(sandboxes=None)
+    seen = []
+    callback._observe = lambda *args: seen.append(args)
+    callback.record_environment_rewards(trainer, first=1)
+    assert callback.environment_rewards == [("Counter", 1.0)] and trainer.reward_funcs[0] == "own"
+    values = trainer.reward_funcs[1](prompts=["p"] * 3, completions=["c"] * 3, environments=environments,
+                                     trainer_state=None, solution=["a", "b", "c"])
+    assert values == [2.0, -1.0, None] and trainer.reward_funcs[1].__name__ == "get_reward"
+    [(name, report, state, prompts, completions, columns, ids)] = seen
+    assert name == "Counter" and report.values == [2.0, -1.0, None] and columns["solution"] == ["a", "b", "c"]
+    assert report.statuses == [Status.OK, Status.TIMEOUT, Status.OK]
+    assert report.errors == [None, "get_reward() exceeded timeout_s=5", None]
+    assert report.sample_seconds == [0.01, 5.0, None]
+    # an async get_reward stays async (TRL gathers it), and an outcome that is not what TRL got counts for nothing
+    environments[0].reward_outcome = RewardOutcome(3.0, Status.OK, "", 0.02)
+
+    async def get_reward_async(environments, **kwargs):
+        return [7.0, -1.0, None]
+
+    trainer.reward_funcs.append(get_reward_async)
+    trainer.reward_func_names.append("Counter")
+    trainer.reward_weights.append(1.0)
+    callback.environment_rewards.clear()
+    callback.record_environment_rewards(trainer, first=2)
+    assert inspect.iscoroutinefunction(trainer.reward_funcs[2])
+    assert run(trainer.reward_funcs[2](prompts=["p"] * 3, completions=["c"] * 3, environments=environments)) \
+        == [7.0, -1.0, None]
+    assert seen[-1][1].statuses == [Status.OK, Status.TIMEOUT, Status.OK] and seen[-1][1].errors[0] is None
+    assert reward_report("Counter", [1.0], [Other()], 0.0).statuses == [Status.OK]

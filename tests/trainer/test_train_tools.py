@@ -110,6 +110,21 @@ def test_an_environment_in_a_config_trains_identically_sandboxed_and_in_process(
     _check_recorded(calls, boxed, 8, Adder().add)  # add's result depends on its arguments alone
     assert {status for name, _, _, status, *_ in calls if name == "add"} == {"ok", "error"}
     assert any(step["rewards/Adder/mean"] > 0 for step in boxed)  # the episodes' state reached get_reward
+    # The environment's reward is in the record beside the others: each batch's values as TRL got them, each
+    # episode's status and its sandboxed get_reward's time, and the completions' totals count it
+    with contextlib.closing(sqlite3.connect(tmp_path / "out" / "record.sqlite")) as db:
+        scores = db.execute("SELECT step, value, status, latency_s FROM scores WHERE reward = 'Adder' "
+                            "ORDER BY completion_id").fetchall()
+        weights = dict(db.execute("SELECT name, weight FROM rewards").fetchall())
+        totals = db.execute("SELECT c.total, SUM(r.weight * s.value) FROM completions c JOIN scores s "
+                            "ON s.completion_id = c.id JOIN rewards r ON r.name = s.reward GROUP BY c.id").fetchall()
+    steps = sorted({step for step, *_ in scores})
+    assert len(scores) == 8 * len(boxed) and len(steps) == len(boxed)
+    means = [sum(v for s, v, *_ in scores if s == step) / 8 for step in steps]
+    assert means == pytest.approx([step["rewards/Adder/mean"] for step in boxed])
+    assert all(status == "ok" and latency is not None and 0 < latency < 30 for _, _, status, latency in scores)
+    assert weights["Adder"] == 1.0 and len(weights) >= 2
+    assert totals and all(total == pytest.approx(weighted) for total, weighted in totals)
 
 
 def test_an_environments_class_and_settings_are_checked_before_anything_starts(tmp_path, tiny_tool_model,
