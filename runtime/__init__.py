@@ -14,7 +14,10 @@
     with rewardbox.sandboxed_tools([run_python]) as tools:   # a TRL script's tools, each call in a sandbox
         GRPOTrainer(..., tools=tools).train()
 
-Subpackages: ``rewardbox.backends`` (where sandboxes run; :func:`register_backend` adds one),
+Subpackages: ``rewardbox.api`` (what a training script calls), ``rewardbox.scoring`` (the client, replicas and
+transport), ``rewardbox.backends`` (where sandboxes run; :func:`register_backend` adds one), ``rewardbox.images``
+(sandbox images), ``rewardbox.serve`` (``rewardbox serve``), ``rewardbox.deploy`` (Kubernetes, AppArmor),
+``rewardbox.report`` (the run record and its report), ``rewardbox.bench``, ``rewardbox.integrations`` (verl),
 ``rewardbox.trainer`` (GRPO entry point), ``rewardbox.wire`` (what host and sandbox share) and
 ``rewardbox.sandbox`` (the sandbox server, which the host never imports).
 
@@ -55,6 +58,7 @@ _EXPORTS = {
     "sandboxed_tools": ".api.tools",
     "ToolError": ".api.tools",
     "sandboxed_environment": ".api.environments",
+    "end_episode": ".api.environments",
     "RewardSpec": ".spec",
     "RewardboxConfig": ".spec",
     "SandboxSettings": ".spec",
@@ -94,7 +98,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (re-exports, listed in __al
     from .scoring.samples import build_samples, samples_from_rows  # noqa: F401
     from .api.dropin import configure, sandboxed  # noqa: F401
     from .api.tools import ToolError, sandboxed_tools  # noqa: F401
-    from .api.environments import sandboxed_environment  # noqa: F401
+    from .api.environments import end_episode, sandboxed_environment  # noqa: F401
     from .api.session import RewardSandboxes  # noqa: F401
     from .spec import RewardboxConfig, RewardSpec, SandboxSettings, load_config, parse_config  # noqa: F401
     from .trainer import TrainConfig, load_train_config, train  # noqa: F401

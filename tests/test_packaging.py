@@ -4,6 +4,7 @@ docker backend from an empty directory; it exposes no import name but `rewardbox
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import venv
@@ -17,6 +18,8 @@ from tests.conftest import ROOT
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
     dist = tmp_path_factory.mktemp("dist")
+    # setuptools' scratch copy of the last build: after a module moved, its old copy there went into the wheel
+    shutil.rmtree(ROOT / "build" / "lib", ignore_errors=True)
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "--wheel-dir", str(dist),
                            str(ROOT)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -63,6 +66,10 @@ def test_the_wheel_holds_every_module_of_every_source_folder(wheel):
             if f"{package}/{relative.as_posix()}" not in names:
                 missing.append(f"{folder}/{relative.as_posix()}")
     assert not missing, f"not in the wheel (add their packages to pyproject.toml): {missing}"
+    sources = {f"{package}/{module.relative_to(ROOT / folder).as_posix()}" for folder, package in SOURCE_FOLDERS.items()
+               for module in (ROOT / folder).rglob("*.py")}
+    extra = sorted(n for n in names if n.endswith(".py") and n not in sources)
+    assert not extra, f"in the wheel without a source file: {extra}"
 
 
 def test_the_installed_wheel_exposes_only_rewardbox(venv_python, tmp_path):

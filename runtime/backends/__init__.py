@@ -1,8 +1,9 @@
 """Where sandboxes run. Backends are registered by name, each with its own settings section
-(``sandbox.<name>:``): ``docker`` (hardened containers) and ``local`` (a subprocess, no isolation) are built in;
-another package adds one through the ``rewardbox.backends`` entry-point group, or code calls
-:func:`register_backend`. A new backend implements :class:`Backend` and :class:`Sandbox` and passes the
-conformance suite in ``tests/backends``.
+(``sandbox.<name>:``): ``docker`` (hardened containers), ``local`` (a subprocess, no isolation), ``remote`` (a
+shared ``rewardbox serve``), ``attached`` (sandboxes started elsewhere) and ``ray`` (actors on a Ray cluster) are
+built in (``base.py`` is the seam they implement; ``containers.py`` holds what docker and ray share); another package
+adds one through the ``rewardbox.backends`` entry-point group, or code calls :func:`register_backend`. A new backend
+implements :class:`Backend` and :class:`Sandbox` and passes the conformance suite in ``tests/backends``.
 """
 
 from ..registry import (

@@ -62,7 +62,7 @@ LOG_MAX_SIZE, LOG_MAX_FILES = "4m", "2"
 @dataclass(frozen=True)
 class ContainerSpec:
     """One sandbox container as the engine is asked to run it. The defaults are the hardening every sandbox gets;
-    :meth:`DockerBackend.create` fills in the rest from the reward."""
+    :meth:`.docker.DockerBackend.create` fills in the rest from the reward."""
 
     image: str
     name: str

@@ -129,7 +129,7 @@ ISOLATION_FLOOR = _PER_FORK + textwrap.dedent(
 BATCHES = 11  # a regex batch takes milliseconds: the median of 11 moves less than that of 5 between runs
 
 
-# A sandbox's processes by their names (processes.set_name); a forked sample's child is named after the slot
+# A sandbox's processes by their names (tree.set_name); a forked sample's child is named after the slot
 # process until its first steps, which are counted with it.
 _ROLES = {"rbx-server": "server", "rbx-slot": "slot processes", "rbx-sample": "samples' processes"}
 

@@ -191,15 +191,15 @@ def run_bench(base_image: str, iterations: int = 200, progress: Callable[[str], 
             figures.extend(ray_figures(directory, base_image, samples, iterations, base, sandboxed[WORKER],
                                        _batch_times, progress, Figure))
         if "t" in parts:
-            from .tools import tool_figures
+            from .agents import tool_figures
 
             figures.extend(tool_figures(base_image, iterations, progress, Figure))
         if "v" in parts:
-            from .tools import environment_figures
+            from .agents import environment_figures
 
             figures.extend(environment_figures(client, base_image, iterations, progress, Figure))
         if "r" in parts:
-            from .report import report_figures
+            from .run_record import report_figures
 
             figures.extend(report_figures(directory / "r", base_image, progress, Figure))
     return figures

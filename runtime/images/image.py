@@ -196,6 +196,9 @@ def service_files() -> dict[str, Path]:
         root = package_dir(name)
         prefix = "".join(f"{part}/" for part in name.split(".")[1:])
         for path in sorted(root.rglob("*")):
+            inner = path.relative_to(root).parts
+            if name == "rewardbox" and inner[0] in ("trainer", "sandbox", "wire"):
+                continue  # installed from a wheel, rewardbox/ holds them too: no trainer; the others come whole below
             if path.is_file() and (path.suffix in (".py", ".pyi") or path.name == "py.typed") \
                     and path.name != "protogen.py" and "__pycache__" not in path.parts:
                 files[f"{prefix}{path.relative_to(root).as_posix()}"] = path

@@ -24,7 +24,7 @@ Before the next child starts, everything a unit left is gone:
 - the child's socket to the program runner is its own (:func:`runner_socket`), so a child killed halfway through a
   request leaves no half frame for the next. The runner is sent it only once the child first writes to it, and
   then lets go of it (with what the child left in flight there) before the next child starts
-  (:func:`..protocol.run_requests.release`).
+  (:func:`..programs.run_requests.release`).
 
 The child writes its answer (a length, then one answer in the format the server reads: :mod:`..protocol.codec`) into a
 memory mapping it shares with the slot process, then one byte into a pipe. The slot process waits for that byte by the
@@ -36,7 +36,7 @@ becomes the unit's failure, written by this trusted code.
 
 What a child can still do to the slot process: signal it (they share a uid), and only while its own unit runs (its
 descendants are gone before the next one starts). Each answer leaves the slot process before the next child starts
-(:func:`.slot._score_units`), so the server blames whatever then stalls or ends the slot process on the first unit
+(:func:`.slot._score_forked`), so the server blames whatever then stalls or ends the slot process on the first unit
 it has no answer for: stopping it (SIGSTOP) makes that unit a ``timeout``, as a sample that hangs, killing it a
 ``crash``; the template replaces the slot process, and the batch goes on.
 """
@@ -58,7 +58,8 @@ from typing import Callable, Optional
 from ...wire import Outcome, Status
 from ..confine import private_tmp
 from ..memory import sockets
-from ..protocol import codec, run_requests
+from ..programs import run_requests
+from ..protocol import codec
 from ..protocol.stream import ChildMarker
 from . import cpu_wait, import_effects, tree
 
@@ -357,7 +358,7 @@ def runner_socket(runner: Optional[socket.socket]) -> tuple[Optional[int], Optio
 def hand_over(runner: socket.socket, end: socket.socket) -> bool:
     """Sends a child's runner socket to the runner over the slot process's own. The runner serves it before anything
     else this slot sends (:meth:`..programs.monitor.Monitor.loop`), until the slot process writes again: its
-    :func:`..protocol.run_requests.release`, once the child is gone. Returns False where the runner is gone (the caller
+    :func:`..programs.run_requests.release`, once the child is gone. Returns False where the runner is gone (the caller
     then closes ``end``, so that the child's program calls fail at once)."""
     try:
         run_requests.write_frame(runner, {"op": run_requests.CHANNEL})

@@ -41,7 +41,8 @@ from ...wire import Outcome, Status, trainer_state_from_dict
 from ..confine import private_tmp, seccomp
 from ..memory import sockets
 from ..programs import execution
-from ..protocol import codec, run_requests, stream
+from ..programs import run_requests
+from ..protocol import codec, stream
 from ..protocol.channel import ChannelClosed, optional_fd, recv
 from ..protocol.records import SampleBatch
 from . import cpu_wait, forked, import_effects, tree, worker
@@ -174,7 +175,7 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
 def _released(run_fd: int) -> bool:
     """Waits until the program runner holds nothing the slot's last process left there (the socket it served, with
     descriptors a sample sent over it in flight, and their programs): the runner answers on this process's fresh
-    socket only once the last one's monitor ended (:func:`..protocol.run_requests.release`). Before any reward code
+    socket only once the last one's monitor ended (:func:`..programs.run_requests.release`). Before any reward code
     runs."""
     channel = socket.socket(fileno=run_fd)
     try:

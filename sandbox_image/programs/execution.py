@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence, Union
 
-from ..protocol import run_requests
+from . import run_requests
 from .languages import LANGUAGES, lookup
 
 if TYPE_CHECKING:

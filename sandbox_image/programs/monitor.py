@@ -17,7 +17,7 @@ import struct
 from typing import Optional
 
 from ..processes import tree
-from ..protocol.run_requests import (CHANNEL, MAX_REQUEST, COMPARISONS, RELEASE, Request, RequestError, parse,
+from .run_requests import (CHANNEL, MAX_REQUEST, COMPARISONS, RELEASE, Request, RequestError, parse,
                                      read_frame, write_frame)
 from . import languages
 from .program import Limits, RunSlot, SlotGone, Workspace
@@ -163,9 +163,9 @@ class Monitor:
         return self._serve()
 
     def _serve(self) -> int:
-        """Serves ``self.sock`` until it closes. A slot process's :data:`..protocol.run_requests.CHANNEL` frame (not a
+        """Serves ``self.sock`` until it closes. A slot process's :data:`.run_requests.CHANNEL` frame (not a
         child's) hands over a child's own socket, which is served first, until it closes or the slot process writes
-        again (its :data:`..protocol.run_requests.RELEASE` frame, once that child is gone, whoever else holds its
+        again (its :data:`.run_requests.RELEASE` frame, once that child is gone, whoever else holds its
         socket): a child killed in the middle of a request leaves its half frame on a socket nobody reads again."""
         while True:
             try:

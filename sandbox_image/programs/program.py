@@ -34,7 +34,7 @@ from typing import Optional
 
 from ..confine import private_tmp, seccomp
 from ..processes import tree
-from ..protocol.run_requests import RequestError
+from .run_requests import RequestError
 
 MAX_ARTIFACT = 256 * 1024 * 1024
 OPEN_FILES = 256

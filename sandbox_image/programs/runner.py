@@ -6,7 +6,7 @@ the other, with the slot's index: the runner knows which run uid and scratch dir
 nothing a slot process says can choose them. When a slot's socket first has a request, the runner forks a monitor
 for it (:mod:`.monitor`), which serves that socket's requests one after another until it closes; a slot's next
 monitor starts only after the last one ended, so two never share a run uid. A slot's new process asks
-(:func:`..protocol.run_requests.release`) before any reward code runs in it, and the runner answers once the last
+(:func:`.run_requests.release`) before any reward code runs in it, and the runner answers once the last
 monitor ended: nothing its last process left at the runner is left then. Standard library only.
 """
 
@@ -20,7 +20,7 @@ import sys
 from typing import Optional
 
 from ..processes import tree
-from ..protocol.run_requests import RELEASE, encode_frame
+from .run_requests import RELEASE, encode_frame
 from . import monitor
 from .program import RunSlot
 

@@ -802,7 +802,7 @@ def test_what_a_sample_leaves_in_flight_at_the_program_runner_is_gone_before_the
     stash = textwrap.dedent("""
         import os, socket, time
         from rewardbox.sandbox.programs import execution
-        from rewardbox.sandbox.protocol import run_requests
+        from rewardbox.sandbox.programs import run_requests
         fd = os.open("/tmp/held", os.O_RDWR | os.O_CREAT)
         os.write(fd, b"x" * (48 << 20))
         os.unlink("/tmp/held")
@@ -854,7 +854,7 @@ def test_a_sample_cannot_have_a_descriptor_signal_the_process_that_forked_it(san
     trap = textwrap.dedent("""
         import fcntl, os, socket, time
         from rewardbox.sandbox.programs import execution
-        from rewardbox.sandbox.protocol import run_requests
+        from rewardbox.sandbox.programs import run_requests
         sock = execution._connect().sock
         run_requests.write_frame(sock, {
             "language": "python", "code": "import sys; sys.stdout.write('B' * (1 << 20))", "files": {},
@@ -1057,7 +1057,7 @@ def test_a_sample_that_stops_reading_its_program_runner_holds_up_no_later_sample
     wedge = textwrap.dedent("""
         import socket, time
         from rewardbox.sandbox.programs import execution
-        from rewardbox.sandbox.protocol import run_requests
+        from rewardbox.sandbox.programs import run_requests
         sock = execution._connect().sock
         code = "import sys; sys.stdout.write('x' * (1 << 20)); sys.stderr.write('y' * (1 << 20))"
         run_requests.write_frame(sock, {
@@ -1105,7 +1105,7 @@ HOLDER = textwrap.dedent("""
 SENDER = textwrap.dedent("""
     import socket, time
     from rewardbox.sandbox.programs import execution
-    from rewardbox.sandbox.protocol import run_requests
+    from rewardbox.sandbox.programs import run_requests
     sock = execution._connect().sock
     for _ in range(300):
         try:

@@ -14,7 +14,7 @@ import pytest
 
 from rewardbox import build_samples
 from rewardbox.sandbox import run, run_tests
-from rewardbox.sandbox.protocol import run_requests
+from rewardbox.sandbox.programs import run_requests
 from tests.conftest import run as run_async
 
 

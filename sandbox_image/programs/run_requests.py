@@ -1,6 +1,6 @@
-"""What crosses between a slot process and its program runner (:mod:`..programs.runner`): length-prefixed JSON frames,
+"""What crosses between a slot process and its program runner (:mod:`.runner`): length-prefixed JSON frames,
 and the requests they carry, parsed and checked field by field before anything runs (:func:`parse`). Standard library
-only: :mod:`..programs.execution` (in the reward's process) and the runner both use it.
+only: :mod:`.execution` (in the reward's process) and the runner both use it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass
 from typing import Optional
 
-from ..programs import languages
+from . import languages
 
 _LENGTH = struct.Struct("<Q")
 MAX_REQUEST = 256 * 1024 * 1024
