@@ -81,7 +81,8 @@ class Usage:
         return _read_int(self.usage_path)
 
     def kernel(self) -> int:
-        """The kernel memory in the use, where it shows apart (cgroup v1; 0 elsewhere): see :meth:`.memory_guard.Guard._unheld`."""
+        """The kernel memory in the use, where it shows apart (cgroup v1; 0 elsewhere): see
+        :meth:`.memory_guard.Guard._unheld`."""
         return _read_int(self.kernel_path) if self.kernel_path else 0
 
     def oom_kills(self) -> Optional[int]:

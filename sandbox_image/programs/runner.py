@@ -145,8 +145,8 @@ def start(slot_map: dict) -> tuple:
 
 
 def main(argv: Optional[list] = None) -> int:
-    """``python -m rewardbox.sandbox.programs.runner FD``: serves one socket outside any sandbox (plain Python, the in-process
-    backend), in a temporary directory, as the caller's own user."""
+    """``python -m rewardbox.sandbox.programs.runner FD``: serves one socket outside any sandbox (plain Python, the
+    in-process backend), in a temporary directory, as the caller's own user."""
     fd = int((argv if argv is not None else sys.argv[1:])[0])
     tree.become_subreaper()
     tree.die_with_parent()
