@@ -299,30 +299,28 @@ class EnvironmentProxy:
         and time, stays as :attr:`reward_outcome` for the run record."""
         default = self._episodes.spec.default_score
         started = time.monotonic()
+        status, error = Status.OK, ""
         try:
             value = await self._call("get_reward", {})
         except ToolError as e:
             log.warning("environment %s: get_reward fell back to %r: %s", self._episodes.name, default, e)
-            self.reward_outcome = RewardOutcome(default, e.status, str(e), time.monotonic() - started)
-            return default
-        number = None
-        if value is None:
-            self.reward_outcome = RewardOutcome(None, Status.OK, "", time.monotonic() - started)
-            return None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            try:
-                number = float(value)  # an int past a float's range raises
-            except OverflowError:
-                pass
-        if number is None or not math.isfinite(number):
-            log.warning("environment %s: get_reward returned %.200r, not a finite number: %r instead",
-                        self._episodes.name, value, default)
-            self.reward_outcome = RewardOutcome(default, Status.INVALID,
-                                                f"get_reward returned {value!r:.200}, not a finite number",
-                                                time.monotonic() - started)
-            return default
-        self.reward_outcome = RewardOutcome(number, Status.OK, "", time.monotonic() - started)
-        return number
+            value, status, error = default, e.status, str(e)
+        else:
+            number = None
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                try:
+                    number = float(value)  # an int past a float's range raises
+                except OverflowError:
+                    pass
+            if value is None or number is not None and math.isfinite(number):
+                value = number
+            else:
+                log.warning("environment %s: get_reward returned %.200r, not a finite number: %r instead",
+                            self._episodes.name, value, default)
+                value, status, error = default, Status.INVALID, \
+                    f"get_reward returned {value!r:.200}, not a finite number"
+        self.reward_outcome = RewardOutcome(value, status, error, time.monotonic() - started)
+        return value
 
 
 def end_episode(instance: EnvironmentProxy) -> None:

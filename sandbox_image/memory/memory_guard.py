@@ -270,7 +270,7 @@ class Guard:
         if pressure < self.mark:
             self.free_pass = 0
         room = self.mark + self.free_pass - pressure
-        self.next_check = now + min(self.usage.longest_sleep, max(MIN_INTERVAL_S, room / GROWTH_BYTES_PER_S))
+        self._check_again(now, room)
         if self.renewed is not None and now >= self.next_renewed:
             self.next_renewed = now + RENEWED_S
             try:
@@ -330,7 +330,7 @@ class Guard:
             # They move the mark while they last (read again every MAX_INTERVAL_S or more: they may be freed).
             self.free_pass, self.next_scan = decision.moved, now + max(MAX_INTERVAL_S, 5 * self.scan_s)
             room = self.mark + decision.moved - pressure
-            self.next_check = now + min(self.usage.longest_sleep, max(MIN_INTERVAL_S, room / GROWTH_BYTES_PER_S))
+            self._check_again(now, room)
             return None
         self.free_pass = 0
         slot = decision.slot
@@ -350,6 +350,11 @@ class Guard:
         self._log(f"{pressure / _MIB:.0f} of the sandbox's {self.usage.limit / _MIB:.0f} MiB in use; killed the "
                   f"processes of slot uid {slot}, which held {most / _MIB:.0f} MiB together, the most of any sample")
         return slot
+
+    def _check_again(self, now: float, room: int) -> None:
+        """The next check: as long as memory takes to fill ``room`` bytes at GROWTH_BYTES_PER_S, within
+        MIN_INTERVAL_S and the usage's longest sleep."""
+        self.next_check = now + min(self.usage.longest_sleep, max(MIN_INTERVAL_S, room / GROWTH_BYTES_PER_S))
 
     def _restart(self, why: str, totals: dict) -> int:
         """Stops every sample's processes and the monitors serving them (what kept running grew, unguarded, until

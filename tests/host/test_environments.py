@@ -208,6 +208,7 @@ def test_hostile_or_odd_resets_and_rewards_never_raise_nor_leak_a_process():
         assert env.reset("a", "b", "c") is None  # positional arguments that do not fit: no episode, no exception
         assert env.reset(offset=400) == "counting from 400"
         assert env.get_reward() == -2.0  # 10**400: not a float; the fallback
+        assert env.reward_outcome[:2] == (-2.0, Status.INVALID) and "not a finite number" in env.reward_outcome.error
         assert run(other.bump(by=1)) == 1
 
 
