@@ -158,8 +158,12 @@ class RewardSandboxes:
         """Stops every sandbox; safe to call more than once."""
         everything = [r for rs in self.replicas.values() for r in rs]
         if everything:
-            with ThreadPoolExecutor(max_workers=max(1, min(16, len(everything)))) as pool:
-                list(pool.map(_stop_one, everything))
+            try:
+                with ThreadPoolExecutor(max_workers=max(1, min(16, len(everything)))) as pool:
+                    list(pool.map(_stop_one, everything))
+            except RuntimeError:  # an atexit hook's stop (verl's, OpenRLHF's workers): no new threads by then
+                for replica in everything:
+                    _stop_one(replica)
         self.replicas.clear()
         if self.backend is not None and self._owns_backend:
             self.backend.close()

@@ -50,3 +50,5 @@ def test_verl_scores_its_batch_through_rewardbox_sandboxes(tmp_path, tiny_model,
     assert [r["correct_fallback"] for r in out["results"]] == [0.0, 0.0, 0.0, 1.0, 0.0, 0.0]
     assert tagged == [0.5, 0.5, 0.0, 0.0, 0.5, None]  # None: the reward skipped that sample
     assert [r["score"] for r in out["results"]] == [2.0, 1.0, 1.0, -1.0, 2.0, 0.0]  # weighted sums
+    # verl's process started the sandboxes; they stopped when it exited (an atexit hook's stop)
+    assert not docker_client.containers.list(filters={"label": "rewardbox"}, ignore_removed=True)
