@@ -21,7 +21,7 @@ per-sample extra info. What each reward gets:
 - batch style: ``prompts``, ``completions`` and the same columns as lists, one entry per sample.
 
 verl 0.6+ calls the (async) ``compute_score`` for every sample of a batch at once: calls that arrive within
-:data:`WINDOW_S` of each other are sent as one batch per reward. ``compute_score_batch`` serves verl's batch reward
+:data:`.batching.WINDOW_S` of each other are sent as one batch per reward (:class:`.batching.Gatherer`). ``compute_score_batch`` serves verl's batch reward
 manager (lists in, a list of dicts out). Each process (verl's reward workers are Ray actors) starts the config's
 sandboxes once, on its first call, and stops them when it exits.
 """
@@ -29,23 +29,13 @@ sandboxes once, on its first call, and stops them when it exits.
 from __future__ import annotations
 
 import asyncio
-import atexit
-import math
-import threading
 from pathlib import Path
 from typing import Any, Optional
 
 from ..api.session import RewardSandboxes
-from ..scoring.samples import build_samples
-from ..spec import load_config
-from ..wire import Status
+from .batching import Gatherer, already_started, score_rows, started
 
-WINDOW_S = 0.005  # concurrent per-sample calls gathered into one batch
-MAX_BATCH = 4096
-
-_started: dict[str, RewardSandboxes] = {}
-_start_lock = threading.Lock()
-_pending: dict[tuple, list] = {}  # (config, loop) -> [(row, future)]
+_gatherers: dict[tuple, Gatherer] = {}  # (config, loop) -> its calls being gathered
 
 
 def _key(config: Optional[str]) -> str:
@@ -61,14 +51,7 @@ def sandboxes_for(config: Optional[str]) -> RewardSandboxes:
     Raises:
         ValueError: no config named (saying where to name it); rewardbox's errors when it cannot start.
     """
-    key = _key(config)
-    with _start_lock:
-        if key not in _started:
-            sandboxes = RewardSandboxes(load_config(key))
-            sandboxes.start()
-            atexit.register(sandboxes.stop)
-            _started[key] = sandboxes
-        return _started[key]
+    return started(_key(config))
 
 
 def _row(data_source: Any, solution_str: str, ground_truth: Any, extra_info: Optional[dict]) -> dict:
@@ -77,61 +60,17 @@ def _row(data_source: Any, solution_str: str, ground_truth: Any, extra_info: Opt
             "columns": {"data_source": data_source, "ground_truth": ground_truth, **extra}}
 
 
-async def _score_rows(sandboxes: RewardSandboxes, rows: list[dict]) -> list[dict]:
-    """Every reward over the rows, concurrently; one dict per row (``score``, each reward and its fallback)."""
-    names = sorted({k for row in rows for k in row["columns"]})
-    columns = {k: [row["columns"].get(k) for row in rows] for k in names}
-    prompts, completions = [row["prompt"] for row in rows], [row["completion"] for row in rows]
-    samples = build_samples(prompts, completions, columns)
-    rewards = sandboxes.rewards
-    reports = await asyncio.gather(*(r.client.score(samples) for r in rewards))
-    out = []
-    for i in range(len(rows)):
-        result, total = {}, 0.0
-        for reward, spec, report in zip(rewards, sandboxes.config.rewards, reports):
-            value = report.values[i]
-            result[reward.__name__] = math.nan if value is None else float(value)
-            result[f"{reward.__name__}_fallback"] = 0.0 if report.statuses[i] == Status.OK else 1.0
-            if value is not None:
-                total += spec.weight * float(value)
-        out.append({"score": total, **result})
-    return out
-
-
-async def _flush(key: tuple, sandboxes: RewardSandboxes) -> None:
-    batch = _pending.pop(key, [])
-    if not batch:
-        return
-    try:
-        results = await _score_rows(sandboxes, [row for row, _ in batch])
-    except BaseException as e:  # noqa: BLE001 - every waiting call gets it
-        for _, future in batch:
-            if not future.done():
-                future.set_exception(e)
-        return
-    for (_, future), result in zip(batch, results):
-        if not future.done():
-            future.set_result(result)
-
-
 async def compute_score(data_source: Any, solution_str: str, ground_truth: Any, extra_info: Optional[dict] = None,
                         config: Optional[str] = None, **kwargs: Any) -> dict:
     """verl's custom reward (async: verl 0.6+). ``config``: the rewardbox config (``reward_kwargs``)."""
     path = _key(config)
     # Started: at once; else started in a thread (the first call of a process), while the loop serves the others
-    sandboxes = _started.get(path)
-    if sandboxes is None:
-        sandboxes = await asyncio.to_thread(sandboxes_for, config)
-    loop = asyncio.get_running_loop()
-    key = (path, id(loop))
-    future = loop.create_future()
-    batch = _pending.setdefault(key, [])
-    batch.append((_row(data_source, solution_str, ground_truth, extra_info), future))
-    if len(batch) == 1:
-        loop.call_later(WINDOW_S, lambda: asyncio.ensure_future(_flush(key, sandboxes)))
-    elif len(batch) >= MAX_BATCH:
-        asyncio.ensure_future(_flush(key, sandboxes))
-    return await future
+    sandboxes = already_started(path) or await asyncio.to_thread(started, path)
+    key = (path, id(asyncio.get_running_loop()))
+    gatherer = _gatherers.get(key)
+    if gatherer is None:
+        gatherer = _gatherers[key] = Gatherer(sandboxes)
+    return await gatherer.submit(_row(data_source, solution_str, ground_truth, extra_info))
 
 
 def compute_score_sync(data_source: Any, solution_str: str, ground_truth: Any, extra_info: Optional[dict] = None,
@@ -145,4 +84,4 @@ def compute_score_batch(data_sources: list, solution_strs: list, ground_truths: 
     """verl's batch reward manager form: lists in, one dict per sample out."""
     sandboxes = sandboxes_for(config)
     rows = [_row(*args) for args in zip(data_sources, solution_strs, ground_truths, extra_infos)]
-    return asyncio.run(_score_rows(sandboxes, rows))
+    return asyncio.run(score_rows(sandboxes, rows))

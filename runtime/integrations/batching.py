@@ -1,0 +1,122 @@
+"""What the entry points for other trainers share: rows scored by every reward of a config, and concurrent
+one-rollout calls gathered into batches.
+
+verl (0.6+) and OpenRLHF both ask for one rollout's reward at a time, many at once. Sent one by one, 1,000 calls in
+flight would be 1,000 sandbox requests per reward; :class:`Gatherer` sends the rows that arrive within
+:data:`WINDOW_S` of the first (at most :data:`MAX_BATCH`) as one batch per reward.
+
+A row is ``{"prompt": str, "completion": str, "columns": {name: value}}``; its result is ``{"score": the weighted
+sum of the rewards' values (a ``None`` counts as nothing, as TRL's nansum does), <reward>: its value (NaN for
+``None``), <reward>_fallback: 1.0 where the reward failed and its ``default_score`` stood in, else 0.0}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import math
+import threading
+from typing import Optional
+
+from ..api.session import RewardSandboxes
+from ..scoring.samples import build_samples
+from ..spec import load_config
+from ..wire import Status
+
+WINDOW_S = 0.005  # concurrent one-rollout calls that arrive within this of the first are one batch
+MAX_BATCH = 4096
+
+_started: dict[str, RewardSandboxes] = {}
+_start_lock = threading.Lock()
+
+
+def started(config_path: str) -> RewardSandboxes:
+    """The started sandboxes of the rewardbox config at ``config_path`` (an absolute path): started on the first
+    call in this process (a trainer's reward worker), stopped when it exits.
+
+    Raises:
+        rewardbox's errors when the config is broken or its sandboxes cannot start (naming what to fix).
+    """
+    with _start_lock:
+        if config_path not in _started:
+            sandboxes = RewardSandboxes(load_config(config_path))
+            sandboxes.start()
+            atexit.register(sandboxes.stop)
+            _started[config_path] = sandboxes
+        return _started[config_path]
+
+
+def already_started(config_path: str) -> Optional[RewardSandboxes]:
+    """:func:`started`'s sandboxes where they are started already (None: not yet)."""
+    return _started.get(config_path)
+
+
+async def score_rows(sandboxes: RewardSandboxes, rows: list[dict]) -> list[dict]:
+    """Every reward of ``sandboxes`` over ``rows``, concurrently; one result per row, in order (module docstring).
+
+    Raises:
+        ValueError: the rows' columns cannot be sent (build_samples names the column).
+    """
+    names = list(dict.fromkeys(k for row in rows for k in row["columns"]))
+    columns = {k: [row["columns"].get(k) for row in rows] for k in names}
+    prompts, completions = [row["prompt"] for row in rows], [row["completion"] for row in rows]
+    samples = build_samples(prompts, completions, columns)
+    rewards = sandboxes.rewards
+    reports = await asyncio.gather(*(r.client.score(samples) for r in rewards))
+    out = []
+    for i in range(len(rows)):
+        result, total = {}, 0.0
+        for reward, spec, report in zip(rewards, sandboxes.config.rewards, reports):
+            value = report.values[i]
+            result[reward.__name__] = math.nan if value is None else float(value)
+            result[f"{reward.__name__}_fallback"] = 0.0 if report.statuses[i] == Status.OK else 1.0
+            if value is not None:
+                total += spec.weight * float(value)
+        out.append({"score": total, **result})
+    return out
+
+
+class Gatherer:
+    """Gathers rows submitted concurrently on one event loop into batches for :func:`score_rows`."""
+
+    def __init__(self, sandboxes: RewardSandboxes, window_s: float = WINDOW_S, max_batch: int = MAX_BATCH):
+        self.sandboxes, self.window_s, self.max_batch = sandboxes, window_s, max_batch
+        self._pending: list = []  # [(row, future)] of the batch being gathered
+        self._timer: Optional[asyncio.TimerHandle] = None
+        self.batches = 0  # sent so far (rewardbox serve --openrlhf reports it)
+
+    async def submit(self, row: dict) -> dict:
+        """The row's result, scored in a batch with the rows submitted around it.
+
+        Raises:
+            whatever scoring its batch raised (every row of that batch gets it).
+        """
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._pending.append((row, future))
+        if len(self._pending) >= self.max_batch:
+            self._flush()
+        elif self._timer is None:
+            self._timer = loop.call_later(self.window_s, self._flush)
+        return await future
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        batch, self._pending = self._pending, []
+        if batch:
+            self.batches += 1
+            asyncio.ensure_future(self._score(batch))
+
+    async def _score(self, batch: list) -> None:
+        try:
+            results = await score_rows(self.sandboxes, [row for row, _ in batch])
+        except BaseException as e:  # noqa: BLE001 - every waiting call gets it
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(e)
+            return
+        for (_, future), result in zip(batch, results):
+            if not future.done():
+                future.set_result(result)
