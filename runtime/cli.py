@@ -394,10 +394,22 @@ def serve(
                                          "before it is authenticated; raise it for large batches over long links"),
     episode_idle_s: float = typer.Option(3600.0, min=1.0, help="an environment's episode with no call for this long "
                                          "is ended (its trainer died without ending it)"),
+    openrlhf: Optional[str] = typer.Option(None, help="HOST:PORT: serve OpenRLHF's remote reward protocol over HTTP "
+                                           "(POST /get_reward, for --remote_rm_url) instead of gRPC; other than "
+                                           "loopback needs TLS and a token, as --listen"),
+    openrlhf_max_body_mb: int = typer.Option(16, min=1, help="--openrlhf: the largest request body (MiB); larger "
+                                             "ones are refused (413) before they are read"),
+    openrlhf_max_in_flight: int = typer.Option(4096, min=1, help="--openrlhf: requests answered at once; more are "
+                                               "refused at once (503: OpenRLHF's client tries again)"),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
-    """Serve CONFIG's rewards to many trainers and ranks on one authenticated endpoint (`backend: remote`)."""
+    """Serve CONFIG's rewards to many trainers and ranks on one authenticated endpoint (`backend: remote`), or with
+    --openrlhf, to OpenRLHF over its HTTP reward protocol."""
     _setup_logging(verbose)
+    if openrlhf is not None:
+        _serve_openrlhf(config, openrlhf, tls_cert, tls_key, tls_client_ca, token_env, backend,
+                        openrlhf_max_body_mb, openrlhf_max_in_flight)
+        return
     from .serve.service import ServiceLimits, ServiceSecurity, limit_malloc_arenas, raise_open_files
     from .serve.service import serve as run_service
 
@@ -422,6 +434,36 @@ def serve(
         raise fail(str(e)) from None
     except OSError as e:
         raise fail(f"--listen {listen}: {e}") from None
+    except ValueError as e:  # pydantic's ValidationError for --backend
+        raise fail(f"--backend: {e}") from None
+    out_console.print("stopped; all sandboxes were removed")
+
+
+def _serve_openrlhf(config: Path, listen: str, tls_cert: Optional[Path], tls_key: Optional[Path],
+                    tls_client_ca: Optional[Path], token_env: str, backend: Optional[str], max_body_mb: int,
+                    max_in_flight: int) -> None:
+    from .serve.openrlhf import HttpLimits, serve_openrlhf
+    from .serve.service import ServiceSecurity
+
+    def ready(sandboxes, port: int) -> None:
+        host = listen.rsplit(":", 1)[0]
+        scheme = "https" if security.certificate else "http"
+        names = ", ".join(r.name for r in sandboxes.rewards)
+        out_console.print(f"serving {names} to OpenRLHF on {scheme}://{host}:{port}/get_reward "
+                          f"({security.describe()}); Ctrl-C or SIGTERM stops", highlight=False, soft_wrap=True)
+
+    try:
+        security = ServiceSecurity.from_options(listen, tls_cert, tls_key, token_env, tls_client_ca,
+                                                option="--openrlhf")
+        cfg = load_config(config)
+        if backend:
+            cfg.sandbox.backend = backend
+        limits = HttpLimits(max_body_mb * 1024 * 1024, max_in_flight)
+        asyncio.run(serve_openrlhf(cfg, listen, security, limits, on_ready=ready))
+    except RewardboxError as e:
+        raise fail(str(e)) from None
+    except OSError as e:
+        raise fail(f"--openrlhf {listen}: {e}") from None
     except ValueError as e:  # pydantic's ValidationError for --backend
         raise fail(f"--backend: {e}") from None
     out_console.print("stopped; all sandboxes were removed")

@@ -41,8 +41,8 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   log "installing torch==2.13.0"
   "$PY" -m pip install -q torch==2.13.0
 fi
-log "installing rewardbox[train,dev,ray]"
-"$PY" -m pip install -q -e ".[train,dev,ray]"
+log "installing rewardbox[train,dev,ray,openrlhf]"
+"$PY" -m pip install -q -e ".[train,dev,ray,openrlhf]"
 # verl, for the verl integration's test: in a venv of its own over this environment (its pins would replace this
 # environment's transformers), without its GPU stack; only what importing verl's reward path needs is added.
 if ! .venv-verl/bin/python -c "import verl.trainer.ppo.reward" >/dev/null 2>&1; then
@@ -51,6 +51,12 @@ if ! .venv-verl/bin/python -c "import verl.trainer.ppo.reward" >/dev/null 2>&1; 
   .venv-verl/bin/python -m pip install -q --no-deps verl==0.9.1 tensordict==0.15.3 hydra-core==1.3.8 \
     omegaconf==2.4.0 antlr4-python3-runtime==4.9.3 codetiming pylatexenc pyvers orjson importlib_metadata
   .venv-verl/bin/python -m pip install -q aiohttp
+fi
+# OpenRLHF's own files (its reward client, openrlhf/utils/agent.py, which the OpenRLHF tests load as OpenRLHF's own
+# tests do), without its GPU stack or any of its pins: in a folder of their own, on no sys.path.
+if [ ! -f .openrlhf/openrlhf/utils/agent.py ]; then
+  log "installing OpenRLHF's files into .openrlhf (no dependencies)"
+  "$PY" -m pip install -q --no-deps --target .openrlhf openrlhf==0.11.2
 fi
 # The offline base image (Debian + python3 from Debian packages): no container registry is needed.
 log "base image: $(rewardbox base-image)"

@@ -126,14 +126,16 @@ class ServiceSecurity:
 
     @classmethod
     def from_options(cls, listen: str, tls_cert: Optional[Path], tls_key: Optional[Path],
-                     token_env: str = TOKEN_ENV, tls_client_ca: Optional[Path] = None) -> "ServiceSecurity":
+                     token_env: str = TOKEN_ENV, tls_client_ca: Optional[Path] = None,
+                     option: str = "--listen") -> "ServiceSecurity":
         """Reads the files and the token, enforcing the rule: TLS and a token unless listening on loopback.
+        ``option`` names the address's option in errors.
 
         Raises:
             ConfigError: naming the option, file or variable to fix.
         """
         if ":" not in listen or not listen.rsplit(":", 1)[1].isdigit():
-            raise ConfigError(f"--listen {listen!r}: expected HOST:PORT, e.g. 0.0.0.0:50051 or 127.0.0.1:50051")
+            raise ConfigError(f"{option} {listen!r}: expected HOST:PORT, e.g. 0.0.0.0:50051 or 127.0.0.1:50051")
         if (tls_cert is None) != (tls_key is None):
             raise ConfigError("--tls-cert and --tls-key go together: give both (the certificate chain and its key, "
                               "PEM), or neither (loopback only)")
@@ -155,7 +157,7 @@ class ServiceSecurity:
             missing = [what for what, have in (("TLS (--tls-cert and --tls-key)", certificate),
                                                (f"a token (export {token_env}=...)", token)) if not have]
             if missing:
-                raise ConfigError(f"--listen {listen}: other machines can reach this address, so the service needs "
+                raise ConfigError(f"{option} {listen}: other machines can reach this address, so the service needs "
                                   f"{' and '.join(missing)}; or listen on 127.0.0.1 for this machine only")
         return cls(certificate, private_key, token, client_ca)
 

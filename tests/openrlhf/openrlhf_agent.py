@@ -1,0 +1,47 @@
+"""OpenRLHF's own reward client (``openrlhf/utils/agent.py`` of the OpenRLHF that scripts/setup.sh puts in
+``.openrlhf``), loaded as OpenRLHF's own tests load it: its logging module stood in for, nothing of its GPU stack
+imported. Also run as a script (the file route, in a process of its own):
+
+    python openrlhf_agent.py REWARD_FILE ROLLOUTS_JSON   (REWARDBOX_CONFIG in the environment)
+
+prints one JSON line: OpenRLHF's answer for each rollout, fetched as its SingleTurnAgentExecutor fetches them (all
+rollouts at once, each in a thread of its own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import logging
+import sys
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+AGENT = Path(__file__).resolve().parents[2] / ".openrlhf" / "openrlhf" / "utils" / "agent.py"
+
+
+def load_agent() -> ModuleType:
+    """OpenRLHF's agent module. Raises AssertionError naming the set-up step where OpenRLHF's files are missing."""
+    assert AGENT.exists(), f"{AGENT} is missing: run `bash scripts/setup.sh` (it installs OpenRLHF's files there)"
+    sys.modules.setdefault("openrlhf.utils.logging_utils", SimpleNamespace(init_logger=logging.getLogger))
+    spec = importlib.util.spec_from_file_location("_openrlhf_agent", AGENT)
+    assert spec is not None and spec.loader is not None
+    agent = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(agent)
+    return agent
+
+
+async def fetch_all(executor, rollouts: list, via: str) -> list:
+    """OpenRLHF's answer for each (query, prompt, label), all requested at once, as its executor requests them."""
+    fetch = executor._fetch_rewards_via_func if via == "func" else executor._fetch_rewards_via_http
+    answers = await asyncio.gather(*(fetch([q], [p], [label]) for q, p, label in rollouts))
+    return [answer[0] for answer in answers]
+
+
+if __name__ == "__main__":
+    reward_file, rollouts_file = sys.argv[1], sys.argv[2]
+    executor = load_agent().SingleTurnAgentExecutor(reward_file)
+    assert executor.reward_func is not None, "OpenRLHF did not load reward_func from the file"
+    rollouts = json.loads(Path(rollouts_file).read_text())
+    print("ANSWERS " + json.dumps(asyncio.run(fetch_all(executor, rollouts, "func"))))

@@ -1,0 +1,172 @@
+"""OpenRLHF's HTTP endpoint without sandboxes: how requests map to rows, and what is refused before scoring (a
+stand-in gatherer scores; the server, its sockets and OpenRLHF's own client are real)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+
+import pytest
+from aiohttp.test_utils import TestServer
+
+from rewardbox.integrations.openrlhf import ProtocolError, answer, rows
+from rewardbox.serve.openrlhf import Endpoint, HttpLimits
+from rewardbox.serve.service import ServiceSecurity
+from tests.openrlhf.openrlhf_agent import fetch_all, load_agent
+
+
+def test_the_response_is_the_query_past_its_prompt_and_the_label_is_a_column():
+    got = rows(["<s>Q: 2+2?</s>A: 4", "other text"], ["<s>Q: 2+2?</s>", "Q: 3+3?"], ["4", 6])
+    assert got == [{"prompt": "<s>Q: 2+2?</s>", "completion": "A: 4", "columns": {"label": "4"}},
+                   {"prompt": "Q: 3+3?", "completion": "other text", "columns": {"label": 6}}]
+    assert rows(["just a query"]) == [{"prompt": "", "completion": "just a query", "columns": {"label": None}}]
+
+
+@pytest.mark.parametrize("body, names", [
+    ({"query": "one string"}, '"query"'), ({"query": [1]}, '"query"'),
+    ({"query": ["a"], "prompts": ["p", "q"]}, '"prompts"'), ({"query": ["a"], "labels": []}, '"labels"'),
+])
+def test_a_request_outside_the_protocol_is_refused_naming_the_field(body, names):
+    with pytest.raises(ProtocolError, match=names):
+        rows(body.get("query"), body.get("prompts"), body.get("labels"))
+
+
+def test_the_answer_lists_totals_and_each_rewards_value_and_fallback_in_query_order():
+    results = [{"score": 1.5, "a": 1.0, "a_fallback": 0.0}, {"score": -1.0, "a": -1.0, "a_fallback": 1.0}]
+    assert answer(results) == {"rewards": [1.5, -1.0], "scores": [1.5, -1.0],
+                               "extra_logs": {"a": [1.0, -1.0], "a_fallback": [0.0, 1.0]}}
+
+
+class Counting:
+    """Scores a row by its label (a stand-in for the sandboxes), and counts what it was given."""
+
+    def __init__(self, hold: asyncio.Event | None = None):
+        self.batches, self.rows, self.hold = 0, 0, hold
+
+    async def submit(self, row: dict) -> dict:
+        self.rows += 1
+        if self.hold is not None:
+            await self.hold.wait()
+        return {"score": float(row["columns"]["label"]), "r": float(row["columns"]["label"]), "r_fallback": 0.0}
+
+
+def _endpoint(gatherer, token=None, **limits) -> Endpoint:
+    return Endpoint(None, ServiceSecurity(token=token), HttpLimits(**limits), gatherer=gatherer)  # type: ignore
+
+
+def test_openrlhfs_own_client_gets_each_rollouts_answer():
+    agent = load_agent()
+
+    async def run():
+        async with TestServer(_endpoint(Counting()).app()) as server:
+            executor = agent.SingleTurnAgentExecutor(str(server.make_url("/get_reward")))
+            return await fetch_all(executor, [(f"p{i} r{i}", f"p{i}", i) for i in range(20)], "http")
+
+    answers = asyncio.run(run())
+    assert [a["rewards"] for a in answers] == [[float(i)] for i in range(20)]
+    assert [a["extra_logs"] for a in answers] == [{"r": [float(i)], "r_fallback": [0.0]} for i in range(20)]
+
+
+def _raw(port: int, head: bytes, body: bytes = b"") -> bytes:
+    """What the server answers to a request sent by hand (the body only where given), read until it closes or
+    sends a whole short answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(head + body)
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < 2:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+
+def test_an_oversized_body_is_refused_on_its_length_before_it_is_sent():
+    async def run():
+        async with TestServer(_endpoint(Counting(), max_body_bytes=1000).app()) as server:
+            head = (b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 10000000000\r\n\r\n")
+            return await asyncio.to_thread(_raw, server.port, head)
+
+    reply = asyncio.run(run())  # nothing of the 10 GB body was sent: the answer cannot have waited for it
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+    assert b"over the limit of 1000" in reply
+
+
+def test_a_body_without_a_length_is_refused_once_it_passes_the_limit():
+    async def run():
+        async with TestServer(_endpoint(Counting(), max_body_bytes=1000).app()) as server:
+            head = b"POST /get_reward HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            chunk = b"800\r\n" + b"x" * 0x800 + b"\r\n"
+            return await asyncio.to_thread(_raw, server.port, head, chunk)
+
+    assert asyncio.run(run()).startswith(b"HTTP/1.1 413")
+
+
+def test_with_a_token_a_request_without_it_is_refused_and_one_with_it_is_answered():
+    async def run():
+        async with TestServer(_endpoint(Counting(), token="s3cret").app()) as server:
+            body = b'{"query": ["q"], "prompts": [""], "labels": [2]}'
+            head = (b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n" % len(body))
+            without = await asyncio.to_thread(_raw, server.port, head + b"\r\n", body)
+            wrong = await asyncio.to_thread(_raw, server.port, head + b"Authorization: Bearer nope\r\n\r\n", body)
+            right = await asyncio.to_thread(_raw, server.port, head + b"Authorization: Bearer s3cret\r\n\r\n", body)
+            return without, wrong, right
+
+    without, wrong, right = asyncio.run(run())
+    assert without.startswith(b"HTTP/1.1 401") and wrong.startswith(b"HTTP/1.1 401")
+    assert right.startswith(b"HTTP/1.1 200") and b'"rewards": [2.0]' in right
+
+
+def test_bad_json_gets_400_naming_the_problem():
+    async def run():
+        async with TestServer(_endpoint(Counting()).app()) as server:
+            body = b'{"query": ["q"'
+            head = b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+            return await asyncio.to_thread(_raw, server.port, head, body)
+
+    reply = asyncio.run(run())
+    assert reply.startswith(b"HTTP/1.1 400") and b"not JSON" in reply
+
+
+def test_requests_past_the_in_flight_limit_are_refused_at_once_and_the_rest_answered():
+    async def run():
+        hold = asyncio.Event()
+        gatherer = Counting(hold)
+        async with TestServer(_endpoint(gatherer, max_in_flight=3).app()) as server:
+            import aiohttp
+
+            async with aiohttp.ClientSession() as session:
+                async def post(i):
+                    async with session.post(server.make_url("/get_reward"),
+                                            json={"query": ["q"], "prompts": [""], "labels": [i]}) as r:
+                        return r.status, await r.json()
+
+                tasks = [asyncio.ensure_future(post(i)) for i in range(5)]
+                while gatherer.rows < 3:
+                    await asyncio.sleep(0.01)
+                refused = [await t for t in tasks if await _done_soon(t)]
+                hold.set()
+                return refused, [await t for t in tasks]
+
+    refused, done = asyncio.run(run())
+    assert sorted(status for status, _ in done) == [200, 200, 200, 503, 503]
+    assert len(refused) == 2 and all(status == 503 for status, _ in refused)
+    assert all("in flight" in body["error"] for status, body in done if status == 503)
+
+
+async def _done_soon(task) -> bool:
+    await asyncio.wait([task], timeout=2)
+    return task.done()
+
+
+def test_a_non_loopback_address_without_tls_and_a_token_is_refused_before_anything_starts(tmp_path):
+    config = tmp_path / "rewardbox.yaml"
+    config.write_text("rewards: [{source: nowhere.py}]\n")
+    done = subprocess.run([sys.executable, "-m", "rewardbox.cli", "serve", str(config), "--openrlhf", "0.0.0.0:8123"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    said = " ".join((done.stdout + done.stderr).split())
+    assert "--openrlhf 0.0.0.0:8123" in said and "TLS" in said and "token" in said and "127.0.0.1" in said
