@@ -65,7 +65,9 @@ async def compute_score(data_source: Any, solution_str: str, ground_truth: Any, 
     """verl's custom reward (async: verl 0.6+). ``config``: the rewardbox config (``reward_kwargs``)."""
     path = _key(config)
     # Started: at once; else started in a thread (the first call of a process), while the loop serves the others
-    sandboxes = already_started(path) or await asyncio.to_thread(started, path)
+    sandboxes = already_started(path)
+    if sandboxes is None:
+        sandboxes = await asyncio.to_thread(started, path)
     key = (path, id(asyncio.get_running_loop()))
     gatherer = _gatherers.get(key)
     if gatherer is None:
