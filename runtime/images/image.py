@@ -149,9 +149,12 @@ def package_dir(name: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations))).resolve()
 
 
+SERVICE_EXTRAS = ("openrlhf",)  # extras of rewardbox serve's own options (--openrlhf), where the host has them
+
+
 def service_requirements() -> list[str]:
-    """``rewardbox serve``'s dependencies: rewardbox's own (``[project].dependencies``, not the extras), pinned to
-    the host's versions.
+    """``rewardbox serve``'s dependencies: rewardbox's own (``[project].dependencies``) and those of
+    :data:`SERVICE_EXTRAS` that the host has installed, pinned to the host's versions.
 
     Raises:
         ImageBuildError: rewardbox is not installed as a distribution (its requirements are unknown).
@@ -162,7 +165,19 @@ def service_requirements() -> list[str]:
         raise ImageBuildError("rewardbox is not installed as a distribution, so the service image's dependencies "
                               "are unknown: install it (`pip install -e .` in a checkout)") from None
     names = [Requirement(r).name for r in required if Requirement(r).marker is None]
-    return [f"{name}=={metadata.version(name)}" for name in names]
+    for r in map(Requirement, required):
+        marker = r.marker
+        if marker is not None and any(marker.evaluate({"extra": e}) for e in SERVICE_EXTRAS) and _installed(r.name):
+            names.append(r.name)
+    return [f"{name}=={metadata.version(name)}" for name in dict.fromkeys(names)]
+
+
+def _installed(name: str) -> bool:
+    try:
+        metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def dockerfile() -> Path:
