@@ -307,10 +307,10 @@ def train(
 def bench(
     base_image: str = typer.Option("auto", help="base image of the sandbox image (sandbox.docker.base_image)"),
     iterations: int = typer.Option(200, min=10, help="64-sample batches for the overhead figure"),
-    parts: str = typer.Option("abcdefghrytv", help="which parts to run (see `rewardbox.bench.run`): a overhead, b "
+    parts: str = typer.Option("abcdefghrytvo", help="which parts to run (see `rewardbox.bench.run`): a overhead, b "
                               "throughput, c cold start, d builds, e LLM judge, f remote path, g code execution, h "
                               "isolation: sample at 1,024 and 4,096 completions, r run record and report, y ray "
-                              "backend, t tool calls, v environments"),
+                              "backend, t tool calls, v environments, o OpenRLHF's HTTP route"),
 ) -> None:
     """Measure sandbox overhead, throughput, cold start and build times; print them beside our targets."""
     _setup_logging(False)

@@ -21,7 +21,8 @@
 (t) a TRL tool's call through ``rewardbox.sandboxed_tools`` beside the same call in-process: see
     :mod:`.tools`;
 (v) a TRL environment through ``rewardbox.sandboxed_environment``: resets as TRL calls them, method calls, memory
-    per live episode, 256 live episodes: see :mod:`.tools`.
+    per live episode, 256 live episodes: see :mod:`.tools`;
+(o) OpenRLHF's HTTP route beside the gRPC path, 1 and 256 requests in flight: see :mod:`.openrlhf`.
 Targets are printed beside the figures, never asserted.
 """
 
@@ -109,7 +110,7 @@ def _batch_times(reward, samples: list, iterations: int, pace_s: float) -> list[
     return asyncio.run(batches())
 
 
-PARTS = "abcdefghrytv"
+PARTS = "abcdefghrytvo"
 WORKER = "isolation: worker"
 
 
@@ -198,6 +199,10 @@ def run_bench(base_image: str, iterations: int = 200, progress: Callable[[str], 
             from .agents import environment_figures
 
             figures.extend(environment_figures(client, base_image, iterations, progress, Figure))
+        if "o" in parts:
+            from .openrlhf import openrlhf_figures
+
+            figures.extend(openrlhf_figures(client, directory, base_image, _config, _backend, progress, Figure))
         if "r" in parts:
             from .run_record import report_figures
 
