@@ -5,7 +5,8 @@ verl (0.6+) and OpenRLHF both ask for one rollout's reward at a time, many at on
 flight would be 1,000 sandbox requests per reward; :class:`Gatherer` sends the rows that arrive within
 :data:`WINDOW_S` of the first (at most :data:`MAX_BATCH`) as one batch per reward.
 
-A row is ``{"prompt": str, "completion": str, "columns": {name: value}}``; its result is ``{"score": the weighted
+A batch closes :data:`GAP_S` after its last row arrived, :data:`WINDOW_S` after its first at the latest, or at
+:data:`MAX_BATCH` rows. A row is ``{"prompt": str, "completion": str, "columns": {name: value}}``; its result is ``{"score": the weighted
 sum of the rewards' values (a ``None`` counts as nothing, as TRL's nansum does), <reward>: its value (NaN for
 ``None``), <reward>_fallback: 1.0 where the reward failed and its ``default_score`` stood in, else 0.0}``.
 """
@@ -24,6 +25,8 @@ from ..spec import load_config
 from ..wire import Status
 
 WINDOW_S = 0.005  # concurrent one-rollout calls that arrive within this of the first are one batch
+# ... and within this of the one before: a lone call (or the last of a wave) waits this long, not the whole window
+GAP_S = 0.001
 MAX_BATCH = 4096
 
 _started: dict[str, RewardSandboxes] = {}
@@ -79,10 +82,12 @@ async def score_rows(sandboxes: RewardSandboxes, rows: list[dict]) -> list[dict]
 class Gatherer:
     """Gathers rows submitted concurrently on one event loop into batches for :func:`score_rows`."""
 
-    def __init__(self, sandboxes: RewardSandboxes, window_s: float = WINDOW_S, max_batch: int = MAX_BATCH):
-        self.sandboxes, self.window_s, self.max_batch = sandboxes, window_s, max_batch
+    def __init__(self, sandboxes: RewardSandboxes, window_s: float = WINDOW_S, max_batch: int = MAX_BATCH,
+                 gap_s: float = GAP_S):
+        self.sandboxes, self.window_s, self.max_batch, self.gap_s = sandboxes, window_s, max_batch, gap_s
         self._pending: list = []  # [(row, future)] of the batch being gathered
         self._timer: Optional[asyncio.TimerHandle] = None
+        self._closes_by = 0.0  # the loop's time by which the batch being gathered goes, whatever arrives
         self.batches = 0  # sent so far (rewardbox serve --openrlhf reports it)
 
     async def submit(self, row: dict) -> dict:
@@ -96,8 +101,13 @@ class Gatherer:
         self._pending.append((row, future))
         if len(self._pending) >= self.max_batch:
             self._flush()
-        elif self._timer is None:
-            self._timer = loop.call_later(self.window_s, self._flush)
+        else:
+            now = loop.time()
+            if self._timer is None:
+                self._closes_by = now + self.window_s
+            else:
+                self._timer.cancel()
+            self._timer = loop.call_at(min(self._closes_by, now + self.gap_s), self._flush)
         return await future
 
     def _flush(self) -> None:

@@ -170,3 +170,137 @@ def test_a_non_loopback_address_without_tls_and_a_token_is_refused_before_anythi
     assert done.returncode != 0
     said = " ".join((done.stdout + done.stderr).split())
     assert "--openrlhf 0.0.0.0:8123" in said and "TLS" in said and "token" in said and "127.0.0.1" in said
+
+
+
+
+def test_calls_close_together_are_one_batch_a_lone_call_waits_the_gap_and_a_wave_no_longer_than_the_window(
+        monkeypatch):
+    from rewardbox.integrations import batching
+
+    seen: list = []
+
+    async def score_rows(sandboxes, rows):
+        seen.append((asyncio.get_running_loop().time(), len(rows)))
+        return [{"score": 0.0} for _ in rows]
+
+    monkeypatch.setattr(batching, "score_rows", score_rows)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        gatherer = batching.Gatherer(None, window_s=1.0, gap_s=0.3)  # type: ignore[arg-type]
+        t0 = loop.time()
+        await gatherer.submit({})  # alone: the gap, not the window
+        lone = seen[-1][0] - t0
+
+        async def trickle(n: int, every_s: float):  # one call every every_s
+            tasks = []
+            for _ in range(n):
+                tasks.append(asyncio.ensure_future(gatherer.submit({})))
+                await asyncio.sleep(every_s)
+            await asyncio.gather(*tasks)
+
+        seen.clear()
+        await trickle(5, 0.01)  # well inside the gap: one batch
+        together = [n for _, n in seen]
+        seen.clear()
+        start = loop.time()
+        await trickle(30, 0.05)  # a wave longer than the window: cut at the window
+        return lone, together, [(t - start, n) for t, n in seen], gatherer.batches
+
+    lone, together, wave, batches = asyncio.run(run())
+    assert 0.3 <= lone < 0.95, lone  # a timer never fires early; late by 0.65 s only on a machine far past busy
+    assert together == [5]
+    assert sum(n for _, n in wave) == 30 and len(wave) >= 2
+    assert wave[0][0] < 1.3, wave  # the first batch went at the window, though calls kept coming
+    assert batches == 1 + 1 + len(wave)
+
+
+def _serve_tls(security, requests):
+    """Runs ``requests(port)`` (a coroutine function) against the endpoint served with ``security``'s TLS."""
+    from aiohttp import web
+
+    from rewardbox.serve.openrlhf import ssl_context
+
+    async def run():
+        runner = web.AppRunner(_endpoint(Counting(), token=security.token).app())
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl_context(security))
+        await site.start()
+        try:
+            return await requests(runner.addresses[0][1])
+        finally:
+            await runner.cleanup()
+
+    return asyncio.run(run())
+
+
+def test_over_tls_with_a_token_a_trainer_that_trusts_the_ca_and_sends_the_token_is_answered(tmp_path):
+    import ssl
+
+    import aiohttp
+    import trustme
+
+    ca = trustme.CA()
+    server = ca.issue_cert("127.0.0.1", "localhost")
+    security = ServiceSecurity(certificate=b"".join(b.bytes() for b in server.cert_chain_pems),
+                               private_key=server.private_key_pem.bytes(), token="s3cret")
+    trusted = ssl.create_default_context()
+    ca.configure_trust(trusted)
+    body = {"query": ["q"], "prompts": [""], "labels": [3]}
+
+    async def requests(port):
+        async with aiohttp.ClientSession() as session:
+            url = f"https://127.0.0.1:{port}/get_reward"
+            async with session.post(url, json=body, ssl=trusted,
+                                    headers={"Authorization": "Bearer s3cret"}) as r:
+                good = r.status, await r.json()
+            async with session.post(url, json=body, ssl=trusted) as r:
+                no_token = r.status
+            try:
+                async with session.post(url, json=body, headers={"Authorization": "Bearer s3cret"}) as r:
+                    untrusted = r.status
+            except aiohttp.ClientConnectorCertificateError:
+                untrusted = "refused"
+            try:
+                async with session.post(f"http://127.0.0.1:{port}/get_reward", json=body) as r:
+                    plaintext = r.status
+            except aiohttp.ClientError:
+                plaintext = "refused"
+            return good, no_token, untrusted, plaintext
+
+    good, no_token, untrusted, plaintext = _serve_tls(security, requests)
+    assert good == (200, {"rewards": [3.0], "scores": [3.0], "extra_logs": {"r": [3.0], "r_fallback": [0.0]}})
+    assert no_token == 401 and untrusted == "refused" and plaintext == "refused"
+
+
+def test_with_a_client_ca_a_peer_without_a_client_certificate_is_refused_in_the_handshake():
+    import ssl
+
+    import aiohttp
+    import trustme
+
+    ca = trustme.CA()
+    server = ca.issue_cert("127.0.0.1")
+    clients = trustme.CA()
+    security = ServiceSecurity(certificate=b"".join(b.bytes() for b in server.cert_chain_pems),
+                               private_key=server.private_key_pem.bytes(), token="t",
+                               client_ca=clients.cert_pem.bytes())
+    bare, with_cert = ssl.create_default_context(), ssl.create_default_context()
+    ca.configure_trust(bare)
+    ca.configure_trust(with_cert)
+    clients.issue_cert("trainer").configure_cert(with_cert)
+    body = {"query": ["q"], "prompts": [""], "labels": [1]}
+
+    async def requests(port):
+        async with aiohttp.ClientSession(headers={"Authorization": "Bearer t"}) as session:
+            url = f"https://127.0.0.1:{port}/get_reward"
+            try:
+                async with session.post(url, json=body, ssl=bare) as r:
+                    without = r.status
+            except aiohttp.ClientError:
+                without = "refused"
+            async with session.post(url, json=body, ssl=with_cert) as r:
+                return without, r.status
+
+    assert _serve_tls(security, requests) == ("refused", 200)
