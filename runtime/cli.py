@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 from rich.console import Console
@@ -24,6 +24,9 @@ from .images.base_image import OFFLINE_BASE
 from .scoring.samples import samples_from_rows
 from .spec import load_config
 from .wire import Status
+
+if TYPE_CHECKING:
+    from .serve.openrlhf import HttpLimits
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Reward sandboxes for GRPO training.")
 console = Console(stderr=True)
@@ -401,14 +404,19 @@ def serve(
                                              "ones are refused (413) before they are read"),
     openrlhf_max_in_flight: int = typer.Option(4096, min=1, help="--openrlhf: requests answered at once; more are "
                                                "refused at once (503: OpenRLHF's client tries again)"),
+    openrlhf_max_in_flight_mb: int = typer.Option(256, min=1, help="--openrlhf: what the requests answered at once "
+                                                  "may hold together (MiB, as their bodies declare); more: 503"),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Serve CONFIG's rewards to many trainers and ranks on one authenticated endpoint (`backend: remote`), or with
     --openrlhf, to OpenRLHF over its HTTP reward protocol."""
     _setup_logging(verbose)
     if openrlhf is not None:
+        from .serve.openrlhf import HttpLimits
+
         _serve_openrlhf(config, openrlhf, tls_cert, tls_key, tls_client_ca, token_env, backend,
-                        openrlhf_max_body_mb, openrlhf_max_in_flight)
+                        HttpLimits(openrlhf_max_body_mb << 20, openrlhf_max_in_flight,
+                                   openrlhf_max_in_flight_mb << 20))
         return
     from .serve.service import ServiceLimits, ServiceSecurity, limit_malloc_arenas, raise_open_files
     from .serve.service import serve as run_service
@@ -440,9 +448,9 @@ def serve(
 
 
 def _serve_openrlhf(config: Path, listen: str, tls_cert: Optional[Path], tls_key: Optional[Path],
-                    tls_client_ca: Optional[Path], token_env: str, backend: Optional[str], max_body_mb: int,
-                    max_in_flight: int) -> None:
-    from .serve.openrlhf import HttpLimits, serve_openrlhf
+                    tls_client_ca: Optional[Path], token_env: str, backend: Optional[str],
+                    limits: HttpLimits) -> None:
+    from .serve.openrlhf import serve_openrlhf
     from .serve.service import ServiceSecurity
 
     def ready(sandboxes, port: int) -> None:
@@ -458,7 +466,6 @@ def _serve_openrlhf(config: Path, listen: str, tls_cert: Optional[Path], tls_key
         cfg = load_config(config)
         if backend:
             cfg.sandbox.backend = backend
-        limits = HttpLimits(max_body_mb * 1024 * 1024, max_in_flight)
         asyncio.run(serve_openrlhf(cfg, listen, security, limits, on_ready=ready))
     except RewardboxError as e:
         raise fail(str(e)) from None

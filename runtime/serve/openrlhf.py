@@ -12,8 +12,8 @@ misbehaved. The answers:
 - 401: a token is set and the request's ``Authorization: Bearer <token>`` header does not carry it;
 - 413: the body is larger than the limit, refused on its ``Content-Length`` before it is read (a body without one
   is read up to the limit, then refused);
-- 503: more requests are in flight than the limit (OpenRLHF's client tries again a second later), or the
-  sandboxes cannot score at all (their service is gone).
+- 503: more requests (or request bytes) are in flight than the limit (OpenRLHF's client tries again a second
+  later), or the sandboxes cannot score at all (their service is gone).
 
 OpenRLHF sends no credentials, so the endpoint binds loopback unless TLS and a token are set up (the rule of
 ``rewardbox serve``: :class:`.service.ServiceSecurity`); a proxy in front of it adds the token header.
@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 
 from ..api.session import RewardSandboxes
 from ..errors import ConfigError
-from ..integrations.batching import Gatherer
+from ..integrations.batching import MAX_BATCH, Gatherer
 from ..integrations.openrlhf import ProtocolError, score
 from ..spec import RewardboxConfig
 from .service import ServiceSecurity
@@ -47,6 +47,10 @@ class HttpLimits:
 
     max_body_bytes: int = 16 * 1024 * 1024  # one rollout's query, prompt and label: far less
     max_in_flight: int = 4096  # requests being answered at once; more get 503 at once
+    # What the requests being answered may hold together (their bodies as declared, or the body limit for one that
+    # declares none): the in-flight limit times the body limit would be 64 GiB. Past it, 503 at once.
+    max_in_flight_bytes: int = 256 * 1024 * 1024
+    max_rollouts: int = MAX_BATCH  # rollouts in one request (OpenRLHF sends one)
 
 
 def _aiohttp():
@@ -66,6 +70,7 @@ class Endpoint:
         self.gatherer = gatherer or Gatherer(sandboxes)
         self._expected = f"Bearer {security.token}".encode() if security.token else None
         self.in_flight = 0
+        self.in_flight_bytes = 0
         self.requests = 0
         self.rollouts = 0
 
@@ -107,7 +112,13 @@ class Endpoint:
         if self.in_flight >= self.limits.max_in_flight:
             return _error(web, 503, f"{self.in_flight} requests are in flight, the limit "
                                     "(rewardbox serve --openrlhf-max-in-flight); try again", {"Retry-After": "1"})
+        held = self.limits.max_body_bytes if length is None else length
+        if self.in_flight_bytes + held > self.limits.max_in_flight_bytes:
+            return _error(web, 503, f"the requests in flight hold {self.in_flight_bytes} bytes; this one's "
+                                    f"{held} would pass the limit of {self.limits.max_in_flight_bytes}; try again",
+                          {"Retry-After": "1"})
         self.in_flight += 1
+        self.in_flight_bytes += held
         try:
             try:
                 body = await request.read()
@@ -116,13 +127,17 @@ class Endpoint:
                                         "(rewardbox serve --openrlhf-max-body-mb)")
             try:
                 data = json.loads(body)
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                return _error(web, 400, f"the body is not JSON: {e}")
+            except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or nested past the parser's depth
+                return _error(web, 400, f"the body is not JSON: {type(e).__name__}: {str(e)[:200]}")
             if not isinstance(data, dict):
                 return _error(web, 400, 'the body must be a JSON object with "query", "prompts" and "labels"')
+            queries = data.get("query")
+            if isinstance(queries, list) and len(queries) > self.limits.max_rollouts:
+                return _error(web, 400, f'"query" holds {len(queries)} rollouts, over the limit of '
+                                        f"{self.limits.max_rollouts} in one request")
             self.requests += 1
             try:
-                answer = await score(self.gatherer, data.get("query"), data.get("prompts"), data.get("labels"))
+                answer = await score(self.gatherer, queries, data.get("prompts"), data.get("labels"))
             except ProtocolError as e:
                 return _error(web, 400, str(e))
             except Exception as e:  # noqa: BLE001 - rewards fall back inside; this is the sandboxes being gone
@@ -131,6 +146,7 @@ class Endpoint:
             return web.json_response(answer)
         finally:
             self.in_flight -= 1
+            self.in_flight_bytes -= held
 
 
 def _error(web, status: int, message: str, headers: Optional[dict] = None):

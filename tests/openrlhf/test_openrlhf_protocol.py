@@ -145,7 +145,9 @@ def test_requests_past_the_in_flight_limit_are_refused_at_once_and_the_rest_answ
                         return r.status, await r.json()
 
                 tasks = [asyncio.ensure_future(post(i)) for i in range(5)]
-                while gatherer.rows < 3:
+                for _ in range(1000):  # the three that fit are held by the gatherer
+                    if gatherer.rows >= 3:
+                        break
                     await asyncio.sleep(0.01)
                 refused = [await t for t in tasks if await _done_soon(t)]
                 hold.set()
@@ -304,3 +306,57 @@ def test_with_a_client_ca_a_peer_without_a_client_certificate_is_refused_in_the_
                 return without, r.status
 
     assert _serve_tls(security, requests) == ("refused", 200)
+
+
+def _post_raw(body: bytes, **limits) -> bytes:
+    async def run():
+        async with TestServer(_endpoint(Counting(), **limits).app()) as server:
+            head = b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+            return await asyncio.to_thread(_raw, server.port, head, body)
+
+    return asyncio.run(run())
+
+
+def test_json_nested_past_the_parsers_depth_gets_400_not_500():
+    reply = _post_raw(b"[" * 200_000 + b"]" * 200_000, max_body_bytes=1 << 20)
+    assert reply.startswith(b"HTTP/1.1 400") and b"RecursionError" in reply
+
+
+def test_a_request_of_more_rollouts_than_the_limit_gets_400_naming_it():
+    import json
+
+    body = json.dumps({"query": ["q"] * 11, "prompts": [""] * 11, "labels": [1] * 11}).encode()
+    reply = _post_raw(body, max_rollouts=10)
+    assert reply.startswith(b"HTTP/1.1 400") and b"over the limit of 10" in reply
+
+
+def test_requests_past_the_bytes_in_flight_are_refused_at_once():
+    import json
+
+    size = len(json.dumps({"query": ["q" * 40], "prompts": [""], "labels": [0]}))  # each request's, i < 10
+    limit = 4 * size + size // 2
+
+    async def run():
+        hold = asyncio.Event()
+        gatherer = Counting(hold)
+        async with TestServer(_endpoint(gatherer, max_in_flight_bytes=limit).app()) as server:
+            import aiohttp
+
+            async with aiohttp.ClientSession() as session:
+                async def post(i):
+                    body = {"query": ["q" * 40], "prompts": [""], "labels": [i]}
+                    async with session.post(server.make_url("/get_reward"), json=body) as r:
+                        return r.status, await r.json()
+
+                tasks = [asyncio.ensure_future(post(i)) for i in range(8)]
+                for _ in range(1000):  # the four that fit are held by the gatherer; the rest refused meanwhile
+                    if gatherer.rows >= 4:
+                        break
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.2)
+                hold.set()
+                return [await t for t in tasks]
+
+    done = asyncio.run(run())
+    assert sorted(status for status, _ in done) == [200] * 4 + [503] * 4
+    assert all(f"would pass the limit of {limit}" in body["error"] for status, body in done if status == 503)
