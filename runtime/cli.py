@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
@@ -24,9 +24,6 @@ from .images.base_image import OFFLINE_BASE
 from .scoring.samples import samples_from_rows
 from .spec import load_config
 from .wire import Status
-
-if TYPE_CHECKING:
-    from .serve.openrlhf import HttpLimits
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Reward sandboxes for GRPO training.")
 console = Console(stderr=True)
@@ -411,66 +408,42 @@ def serve(
     """Serve CONFIG's rewards to many trainers and ranks on one authenticated endpoint (`backend: remote`), or with
     --openrlhf, to OpenRLHF over its HTTP reward protocol."""
     _setup_logging(verbose)
-    if openrlhf is not None:
-        from .serve.openrlhf import HttpLimits
-
-        _serve_openrlhf(config, openrlhf, tls_cert, tls_key, tls_client_ca, token_env, backend,
-                        HttpLimits(openrlhf_max_body_mb << 20, openrlhf_max_in_flight,
-                                   openrlhf_max_in_flight_mb << 20))
-        return
+    from .serve.openrlhf import HttpLimits, serve_openrlhf
     from .serve.service import ServiceLimits, ServiceSecurity, limit_malloc_arenas, raise_open_files
     from .serve.service import serve as run_service
 
     limit_malloc_arenas()  # before gRPC starts its threads
     raise_open_files()  # idle connections must not exhaust descriptors before max_connections refuses them
+    option, address = ("--openrlhf", openrlhf) if openrlhf is not None else ("--listen", listen)
 
     def ready(sandboxes, port: int) -> None:
-        host = listen.rsplit(":", 1)[0]
+        host = address.rsplit(":", 1)[0]
         names = ", ".join(r.name for r in sandboxes.rewards)
-        out_console.print(f"serving {names} on {host}:{port} ({security.describe()}); Ctrl-C or SIGTERM drains "
-                          "and stops", highlight=False, soft_wrap=True)
+        if openrlhf is None:
+            where, stopping = f"on {host}:{port}", "drains and stops"
+        else:
+            where = f"to OpenRLHF on {'https' if security.certificate else 'http'}://{host}:{port}/get_reward"
+            stopping = "stops"
+        out_console.print(f"serving {names} {where} ({security.describe()}); Ctrl-C or SIGTERM {stopping}",
+                          highlight=False, soft_wrap=True)
 
     try:
-        security = ServiceSecurity.from_options(listen, tls_cert, tls_key, token_env, tls_client_ca)
+        security = ServiceSecurity.from_options(address, tls_cert, tls_key, token_env, tls_client_ca, option=option)
         cfg = load_config(config)
         if backend:
             cfg.sandbox.backend = backend
-        limits = ServiceLimits(max_message_mb * 1024 * 1024, max_concurrent_rpcs, max_streams_per_connection,
-                               max_connections, stream_window_kb * 1024, episode_idle_s=episode_idle_s)
-        asyncio.run(run_service(cfg, listen, security, on_ready=ready, limits=limits))
+        if openrlhf is not None:
+            http_limits = HttpLimits(openrlhf_max_body_mb << 20, openrlhf_max_in_flight,
+                                     openrlhf_max_in_flight_mb << 20)
+            asyncio.run(serve_openrlhf(cfg, openrlhf, security, http_limits, on_ready=ready))
+        else:
+            limits = ServiceLimits(max_message_mb * 1024 * 1024, max_concurrent_rpcs, max_streams_per_connection,
+                                   max_connections, stream_window_kb * 1024, episode_idle_s=episode_idle_s)
+            asyncio.run(run_service(cfg, listen, security, on_ready=ready, limits=limits))
     except RewardboxError as e:
         raise fail(str(e)) from None
     except OSError as e:
-        raise fail(f"--listen {listen}: {e}") from None
-    except ValueError as e:  # pydantic's ValidationError for --backend
-        raise fail(f"--backend: {e}") from None
-    out_console.print("stopped; all sandboxes were removed")
-
-
-def _serve_openrlhf(config: Path, listen: str, tls_cert: Optional[Path], tls_key: Optional[Path],
-                    tls_client_ca: Optional[Path], token_env: str, backend: Optional[str],
-                    limits: HttpLimits) -> None:
-    from .serve.openrlhf import serve_openrlhf
-    from .serve.service import ServiceSecurity
-
-    def ready(sandboxes, port: int) -> None:
-        host = listen.rsplit(":", 1)[0]
-        scheme = "https" if security.certificate else "http"
-        names = ", ".join(r.name for r in sandboxes.rewards)
-        out_console.print(f"serving {names} to OpenRLHF on {scheme}://{host}:{port}/get_reward "
-                          f"({security.describe()}); Ctrl-C or SIGTERM stops", highlight=False, soft_wrap=True)
-
-    try:
-        security = ServiceSecurity.from_options(listen, tls_cert, tls_key, token_env, tls_client_ca,
-                                                option="--openrlhf")
-        cfg = load_config(config)
-        if backend:
-            cfg.sandbox.backend = backend
-        asyncio.run(serve_openrlhf(cfg, listen, security, limits, on_ready=ready))
-    except RewardboxError as e:
-        raise fail(str(e)) from None
-    except OSError as e:
-        raise fail(f"--openrlhf {listen}: {e}") from None
+        raise fail(f"{option} {address}: {e}") from None
     except ValueError as e:  # pydantic's ValidationError for --backend
         raise fail(f"--backend: {e}") from None
     out_console.print("stopped; all sandboxes were removed")
