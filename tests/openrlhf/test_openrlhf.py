@@ -16,7 +16,7 @@ import time
 import aiohttp
 
 from tests.conftest import ROOT
-from tests.openrlhf.openrlhf_agent import fetch_all, load_agent
+from tests.openrlhf.openrlhf_agent import fetch_all, load_agent, load_samples_generator, rollout
 
 REWARDS = textwrap.dedent("""
     import re, time
@@ -68,12 +68,13 @@ def _expected(answers: list) -> None:
         assert logs["short_fallback"] == [0.0]
 
 
-def _containers(docker_client) -> list:
-    return docker_client.containers.list(filters={"label": "rewardbox"}, ignore_removed=True)
+def _containers(docker_client) -> set:
+    return {c.id for c in docker_client.containers.list(filters={"label": "rewardbox"}, ignore_removed=True)}
 
 
 def test_openrlhf_scores_through_rewardbox_serve_openrlhf(tmp_path, docker_client, base_image):
     config = _config(tmp_path, base_image)
+    before = _containers(docker_client)
     service = subprocess.Popen([sys.executable, "-m", "rewardbox.cli", "serve", str(config), "--openrlhf",
                                 "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     try:
@@ -93,19 +94,29 @@ def test_openrlhf_scores_through_rewardbox_serve_openrlhf(tmp_path, docker_clien
         answers = asyncio.run(fetch_all(executor, _rollouts(), "http"))
         _expected(answers)
 
+        # A whole rollout as OpenRLHF makes it (generate, decode, fetch the reward), into the Experience it trains on
+        generator = load_samples_generator().SamplesGenerator.__new__(load_samples_generator().SamplesGenerator)
+        prompt = PROMPT.format(n=2)
+        output = asyncio.run(rollout(executor, prompt, "4", "<answer>4</answer>"))
+        experience = generator._process_response_into_experience(output, max_len=4096)
+        assert experience.rewards.flatten().tolist() == [2.0] and experience.scores.flatten().tolist() == [2.0]
+        assert experience.info["correct"].flatten().tolist() == [1.0]
+        assert experience.info["short_fallback"].flatten().tolist() == [0.0]
+
         # 1,000 rollouts at once, one request each, as OpenRLHF sends them: scored in a few batches per reward
         many = [(PROMPT.format(n=i) + f"<answer>{2 * i}</answer>", PROMPT.format(n=i), str(2 * i) if i % 3 else "wrong")
                 for i in range(1000)]
 
         async def burst():
-            before = await _stats(url)
+            first = await _stats(url)
             got = await fetch_all(executor, many, "http")
-            return before, got, await _stats(url)
+            return first, got, await _stats(url)
 
-        before, got, after = asyncio.run(burst())
+        stats_before, got, after = asyncio.run(burst())
         assert [a["extra_logs"]["correct"] for a in got] == [[1.0 if i % 3 else 0.0] for i in range(1000)]
-        assert after["requests"] - before["requests"] == 1000 and after["rollouts"] - before["rollouts"] == 1000
-        batches = after["batches"] - before["batches"]
+        assert after["requests"] - stats_before["requests"] == 1000
+        assert after["rollouts"] - stats_before["rollouts"] == 1000
+        batches = after["batches"] - stats_before["batches"]
         assert 1 <= batches <= 50, batches  # not 1,000 sandbox calls per reward
 
         service.send_signal(signal.SIGTERM)
@@ -116,7 +127,7 @@ def test_openrlhf_scores_through_rewardbox_serve_openrlhf(tmp_path, docker_clien
         if service.poll() is None:
             service.kill()
             service.wait()
-    assert not _containers(docker_client)
+    assert _containers(docker_client) <= before  # its sandboxes are gone
 
 
 async def _stats(url: str) -> dict:
@@ -131,13 +142,14 @@ def test_openrlhf_loads_the_one_line_reward_func_file_and_gets_the_same_values(t
     reward_file.write_text("from rewardbox.integrations.openrlhf import reward_func\n")
     rollouts = tmp_path / "rollouts.json"
     rollouts.write_text(json.dumps(_rollouts()))
+    before = _containers(docker_client)
     done = subprocess.run([sys.executable, str(ROOT / "tests" / "openrlhf" / "openrlhf_agent.py"), str(reward_file),
                            str(rollouts)], capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env={**os.environ, "REWARDBOX_CONFIG": str(config), "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-4000:]
     line = next(line for line in done.stdout.splitlines() if line.startswith("ANSWERS "))
     _expected(json.loads(line[len("ANSWERS "):]))
-    assert not _containers(docker_client)  # stopped when OpenRLHF's process exited
+    assert _containers(docker_client) <= before  # stopped when OpenRLHF's process exited
 
 
 def test_the_file_route_without_a_config_says_where_to_name_it(tmp_path):

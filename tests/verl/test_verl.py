@@ -34,6 +34,7 @@ def test_verl_scores_its_batch_through_rewardbox_sandboxes(tmp_path, tiny_model,
         pytest.fail(f"{VERL_PYTHON} is missing: run `bash scripts/setup.sh` (it installs verl there)")
     (tmp_path / "rewards.py").write_text(REWARDS)
     config = tmp_path / "rewardbox.yaml"
+    before = {c.id for c in docker_client.containers.list(filters={"label": "rewardbox"}, ignore_removed=True)}
     config.write_text(json.dumps({
         "sandbox": {"backend": "docker", "docker": {"base_image": base_image}},
         "rewards": [{"name": "correct", "source": "rewards.py", "default_score": -1.0, "retries": 0},
@@ -51,4 +52,4 @@ def test_verl_scores_its_batch_through_rewardbox_sandboxes(tmp_path, tiny_model,
     assert tagged == [0.5, 0.5, 0.0, 0.0, 0.5, None]  # None: the reward skipped that sample
     assert [r["score"] for r in out["results"]] == [2.0, 1.0, 1.0, -1.0, 2.0, 0.0]  # weighted sums
     # verl's process started the sandboxes; they stopped when it exited (an atexit hook's stop)
-    assert not docker_client.containers.list(filters={"label": "rewardbox"}, ignore_removed=True)
+    assert {c.id for c in docker_client.containers.list(filters={"label": "rewardbox"}, ignore_removed=True)} <= before
