@@ -2,13 +2,14 @@
 one-rollout calls gathered into batches.
 
 verl (0.6+) and OpenRLHF both ask for one rollout's reward at a time, many at once. Sent one by one, 1,000 calls in
-flight would be 1,000 sandbox requests per reward; :class:`Gatherer` sends the rows that arrive within
-:data:`WINDOW_S` of the first (at most :data:`MAX_BATCH`) as one batch per reward.
+flight would be 1,000 sandbox requests per reward; :class:`Gatherer` sends the rows that arrive together as one
+batch per reward.
 
 A batch closes :data:`GAP_S` after its last row arrived, :data:`WINDOW_S` after its first at the latest, or at
-:data:`MAX_BATCH` rows. A row is ``{"prompt": str, "completion": str, "columns": {name: value}}``; its result is ``{"score": the weighted
-sum of the rewards' values (a ``None`` counts as nothing, as TRL's nansum does), <reward>: its value (NaN for
-``None``), <reward>_fallback: 1.0 where the reward failed and its ``default_score`` stood in, else 0.0}``.
+:data:`MAX_BATCH` rows. A row is ``{"prompt": str, "completion": str, "columns": {name: value}}``; its result is
+``{"score": the weighted sum of the rewards' values (a ``None`` counts as nothing, as TRL's nansum does),
+<reward>: its value (NaN for ``None``), <reward>_fallback: 1.0 where the reward failed and its ``default_score``
+stood in, else 0.0}``.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ per-sample extra info. What each reward gets:
   ``solution_str``) and ``example``: ``data_source``, ``ground_truth`` and every ``extra_info`` key, as strings;
 - batch style: ``prompts``, ``completions`` and the same columns as lists, one entry per sample.
 
-verl 0.6+ calls the (async) ``compute_score`` for every sample of a batch at once: calls that arrive within
-:data:`.batching.WINDOW_S` of each other are sent as one batch per reward (:class:`.batching.Gatherer`). ``compute_score_batch`` serves verl's batch reward
+verl 0.6+ calls the (async) ``compute_score`` for every sample of a batch at once: calls that arrive together
+are sent as one batch per reward (:class:`.batching.Gatherer`). ``compute_score_batch`` serves verl's batch reward
 manager (lists in, a list of dicts out). Each process (verl's reward workers are Ray actors) starts the config's
 sandboxes once, on its first call, and stops them when it exits.
 """
