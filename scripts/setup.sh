@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything a fresh Debian/Ubuntu machine needs for rewardbox: the Docker engine (started if not running),
 # debootstrap for the offline base image, Chromium for the report's browser tests, and the Python package with its
-# train, dev and ray extras, and verl in .venv-verl for the verl integration's test.
+# train, dev, ray and openrlhf extras, verl in .venv-verl for the verl integration's test, and OpenRLHF's files in
+# .openrlhf for the OpenRLHF integration's.
 # Idempotent: each step is skipped when already done. Fails loudly when a step cannot be done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
