@@ -13,7 +13,7 @@ from typing import Callable
 
 from ..api.session import RewardSandboxes
 from ..scoring.samples import build_samples
-from ..serve.openrlhf import Endpoint
+from ..serve.openrlhf import Endpoint, listening
 from ..serve.service import ServiceSecurity
 
 ROUNDS = 200  # one in flight
@@ -54,8 +54,6 @@ async def _grpc(client, in_flight: int, rounds: int) -> list[float]:
 def openrlhf_figures(client, directory: Path, base_image: str, make_config: Callable, make_backend: Callable,
                      progress: Callable[[str], None], figure: Callable) -> list:
     """Part (o). ``make_config``, ``make_backend`` and ``figure`` are the bench's own."""
-    from aiohttp import web
-
     progress("(o) OpenRLHF's HTTP route beside the gRPC path")
     config = make_config(directory, base_image, [{"name": "trivial", "workers": 2, "cpus": 2, "isolation": "worker"}])
     with RewardSandboxes(config, backend=make_backend(config, client)) as sandboxes:
@@ -63,12 +61,8 @@ def openrlhf_figures(client, directory: Path, base_image: str, make_config: Call
 
         async def run() -> dict:
             endpoint = Endpoint(sandboxes, ServiceSecurity())
-            runner = web.AppRunner(endpoint.app(), access_log=None)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            url = f"http://127.0.0.1:{runner.addresses[0][1]}/get_reward"
-            try:
+            async with listening(endpoint, "127.0.0.1", 0) as port:
+                url = f"http://127.0.0.1:{port}/get_reward"
                 await _http(url, 16, 3)  # warm-up of both paths
                 await _grpc(reward_client, 16, 3)
                 out: dict = {}
@@ -78,8 +72,6 @@ def openrlhf_figures(client, directory: Path, base_image: str, make_config: Call
                     out[("batches", in_flight)] = (endpoint.gatherer.batches - batches) / rounds
                     out[("grpc", in_flight)] = await _grpc(reward_client, in_flight, rounds)
                 return out
-            finally:
-                await runner.cleanup()
 
         measured = asyncio.run(run())
     figures = []

@@ -123,11 +123,19 @@ class Gatherer:
     async def _score(self, batch: list) -> None:
         try:
             results = await score_rows(self.sandboxes, [row for row, _ in batch])
-        except BaseException as e:  # noqa: BLE001 - every waiting call gets it
+        except Exception as e:  # noqa: BLE001 - a row no sandbox can take, or the sandboxes gone
+            if len(batch) > 1:  # each row alone: one caller's bad row must not fail the others' calls
+                await asyncio.gather(*(self._score([one]) for one in batch))
+                return
             for _, future in batch:
                 if not future.done():
                     future.set_exception(e)
             return
+        except BaseException as e:  # noqa: BLE001 - cancelled: every waiting call gets it
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(e)
+            raise
         for (_, future), result in zip(batch, results):
             if not future.done():
                 future.set_result(result)

@@ -52,6 +52,12 @@ def rows(queries: Any, prompts: Any = None, labels: Any = None) -> list[dict]:
         raise ProtocolError(f'"prompts" must be a list of {n} strings, one per query')
     if not isinstance(labels, list) or len(labels) != n:
         raise ProtocolError(f'"labels" must be a list of {n} values, one per query')
+    for field, texts in (("query", queries), ("prompts", prompts)):
+        for i, text in enumerate(texts):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate: JSON carries it, UTF-8 (and protobuf) cannot
+                raise ProtocolError(f'"{field}"[{i}] is not valid Unicode: {e.reason} at {e.start}') from None
     out = []
     for query, prompt, label in zip(queries, prompts, labels):
         completion = query[len(prompt):] if prompt and query.startswith(prompt) else query

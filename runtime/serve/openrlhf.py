@@ -22,6 +22,7 @@ OpenRLHF sends no credentials, so the endpoint binds loopback unless TLS and a t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import signal
@@ -51,6 +52,13 @@ class HttpLimits:
     # declares none): the in-flight limit times the body limit would be 64 GiB. Past it, 503 at once.
     max_in_flight_bytes: int = 256 * 1024 * 1024
     max_rollouts: int = MAX_BATCH  # rollouts in one request (OpenRLHF sends one)
+    body_timeout_s: float = 30.0  # a body must have arrived whole within this of its headers (else 408)
+    # Connections at once; past it, a new one is closed at once. With max_headers, what connections can make the
+    # server hold before any request reaches it (a few hundred KiB each).
+    max_connections: int = 1024
+    first_request_s: float = 30.0  # a connection whose first request has not reached the app by then is closed
+    keepalive_s: float = 60.0  # an idle kept-alive connection is closed after this (aiohttp's own: an hour)
+    max_headers: int = 32
 
 
 def _aiohttp():
@@ -69,6 +77,7 @@ class Endpoint:
         self.security, self.limits = security, limits
         self.gatherer = gatherer or Gatherer(sandboxes)
         self._expected = f"Bearer {security.token}".encode() if security.token else None
+        self.connections = Connections(limits)
         self.in_flight = 0
         self.in_flight_bytes = 0
         self.requests = 0
@@ -85,7 +94,8 @@ class Endpoint:
         """The answer to a request refused before its body is read, or None."""
         web = _aiohttp()
         if self._expected is not None:
-            presented = request.headers.get("Authorization", "").encode()
+            # aiohttp decodes headers with surrogateescape: a byte that is not UTF-8 stays one here (and refuses)
+            presented = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(presented, self._expected):
                 return web.json_response({"error": "missing or wrong token: send Authorization: Bearer <token> "
                                                    "(the token rewardbox serve was started with)"}, status=401,
@@ -94,6 +104,7 @@ class Endpoint:
 
     async def stats(self, request):
         web = _aiohttp()
+        self.connections.served(request.transport)
         refused = self._refusal(request)
         if refused is not None:
             return refused
@@ -102,6 +113,7 @@ class Endpoint:
 
     async def get_reward(self, request):
         web = _aiohttp()
+        self.connections.served(request.transport)
         refused = self._refusal(request)
         if refused is not None:
             return refused
@@ -112,21 +124,19 @@ class Endpoint:
         if self.in_flight >= self.limits.max_in_flight:
             return _error(web, 503, f"{self.in_flight} requests are in flight, the limit "
                                     "(rewardbox serve --openrlhf-max-in-flight); try again", {"Retry-After": "1"})
-        held = self.limits.max_body_bytes if length is None else length
-        if self.in_flight_bytes + held > self.limits.max_in_flight_bytes:
-            return _error(web, 503, f"the requests in flight hold {self.in_flight_bytes} bytes; this one's "
-                                    f"{held} would pass the limit of {self.limits.max_in_flight_bytes}; try again",
-                          {"Retry-After": "1"})
         self.in_flight += 1
-        self.in_flight_bytes += held
+        body = _Body()
         try:
             try:
-                body = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                return _error(web, 413, f"the body is over the limit of {self.limits.max_body_bytes} bytes "
-                                        "(rewardbox serve --openrlhf-max-body-mb)")
+                await asyncio.wait_for(self._read(request, body), self.limits.body_timeout_s)
+            except asyncio.TimeoutError:
+                return _error(web, 408, f"the body did not arrive within {self.limits.body_timeout_s:g} s")
+            except ConnectionError:  # the client went away mid-body: nobody reads an answer
+                return web.Response(status=400)
+            if body.refused is not None:
+                return body.refused
             try:
-                data = json.loads(body)
+                data = json.loads(b"".join(body.chunks))
             except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or nested past the parser's depth
                 return _error(web, 400, f"the body is not JSON: {type(e).__name__}: {str(e)[:200]}")
             if not isinstance(data, dict):
@@ -146,11 +156,125 @@ class Endpoint:
             return web.json_response(answer)
         finally:
             self.in_flight -= 1
-            self.in_flight_bytes -= held
+            self.in_flight_bytes -= body.held
+
+    async def _read(self, request, body: "_Body") -> None:
+        """Reads the body into ``body``, counting its bytes in flight as they arrive (a connection that declares
+        a large body and sends nothing holds nothing); sets ``body.refused`` past a limit."""
+        web = _aiohttp()
+        async for chunk in request.content.iter_chunked(1 << 16):
+            if body.held + len(chunk) > self.limits.max_body_bytes:
+                body.refused = _error(web, 413, f"the body is over the limit of {self.limits.max_body_bytes} bytes "
+                                                "(rewardbox serve --openrlhf-max-body-mb)")
+                return
+            if self.in_flight_bytes + len(chunk) > self.limits.max_in_flight_bytes:
+                body.refused = _error(web, 503, f"the requests in flight hold {self.in_flight_bytes} bytes, the "
+                                                f"limit of {self.limits.max_in_flight_bytes} "
+                                                "(--openrlhf-max-in-flight-mb); try again", {"Retry-After": "1"})
+                return
+            self.in_flight_bytes += len(chunk)
+            body.held += len(chunk)
+            body.chunks.append(chunk)
+
+
+class _Body:
+    """A request body as it arrives: its chunks, the bytes it holds in flight, and its refusal (None: none)."""
+
+    def __init__(self) -> None:
+        self.chunks: list = []
+        self.held = 0
+        self.refused: Optional[Any] = None
+
+
+class Connections:
+    """The endpoint's connections, gated before aiohttp sees them: at most ``max_connections`` at once (a new one
+    past it is closed at once), and each closed unless a request of it reached the app within ``first_request_s``
+    (headers sent slowly, or never finished, are no request: aiohttp holds what they sent meanwhile)."""
+
+    def __init__(self, limits: HttpLimits):
+        self.limits = limits
+        self.open = 0
+        self._served: set = set()  # ids of the transports one of whose requests reached the app
+
+    def served(self, transport) -> None:
+        if transport is not None:
+            self._served.add(id(transport))
+
+    def factory(self, make: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
+        """The protocol factory for ``loop.create_server``: ``make``'s protocols (aiohttp's), gated."""
+        return lambda: _Gated(self, make())
+
+
+class _Gated(asyncio.Protocol):
+    """One connection's protocol (aiohttp's request handler) behind :class:`Connections`."""
+
+    def __init__(self, gate: Connections, inner: Any):
+        self.gate, self.inner = gate, inner
+        self.transport: Optional[asyncio.Transport] = None
+        self.counted = False
+        self.timer: Optional[asyncio.TimerHandle] = None
+
+    def connection_made(self, transport) -> None:  # a stream transport (create_server's)
+        self.transport = transport
+        if self.gate.open >= self.gate.limits.max_connections:
+            transport.abort()
+            return
+        self.gate.open += 1
+        self.counted = True
+        self.timer = asyncio.get_running_loop().call_later(self.gate.limits.first_request_s, self._first_request)
+        self.inner.connection_made(transport)
+
+    def _first_request(self) -> None:
+        if id(self.transport) not in self.gate._served and self.transport is not None:
+            self.transport.abort()
+
+    def connection_lost(self, exc) -> None:
+        if not self.counted:
+            return
+        self.counted = False
+        self.gate.open -= 1
+        self.gate._served.discard(id(self.transport))
+        if self.timer is not None:
+            self.timer.cancel()
+        self.inner.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self) -> Optional[bool]:
+        return self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
 
 
 def _error(web, status: int, message: str, headers: Optional[dict] = None):
     return web.json_response({"error": message}, status=status, headers=headers)
+
+
+@contextlib.asynccontextmanager
+async def listening(endpoint: Endpoint, host: str, port: int, context: Optional[ssl.SSLContext] = None):
+    """Serves ``endpoint`` on ``host:port`` (0: any free port) while in the block, which gets the bound port:
+    aiohttp's app, with its limits on what one connection may send and hold, behind :class:`Connections`.
+    lingering_time 0: a refused body is not read on after the answer (the connection closes instead)."""
+    web = _aiohttp()
+    limits = endpoint.limits
+    runner = web.AppRunner(endpoint.app(), access_log=None, lingering_time=0, keepalive_timeout=limits.keepalive_s,
+                           max_headers=limits.max_headers)
+    await runner.setup()
+    try:
+        assert runner.server is not None  # set up
+        server = await asyncio.get_running_loop().create_server(endpoint.connections.factory(runner.server), host,
+                                                                port, ssl=context)
+        try:
+            yield server.sockets[0].getsockname()[1]
+        finally:
+            server.close()
+    finally:
+        await runner.cleanup()
 
 
 def ssl_context(security: ServiceSecurity) -> Optional[ssl.SSLContext]:
@@ -184,28 +308,19 @@ async def serve_openrlhf(config: RewardboxConfig, listen: str, security: Service
         nothing is left running.
         OSError: the address cannot be bound.
     """
-    web = _aiohttp()
+    _aiohttp()  # missing: say so before anything starts
     host, port = listen.rsplit(":", 1)
     context = ssl_context(security)
     sandboxes = RewardSandboxes(config)
     await asyncio.to_thread(sandboxes.start)
     try:
         endpoint = Endpoint(sandboxes, security, limits)
-        # lingering_time 0: a refused body is not read on after the answer (the connection closes instead)
-        runner = web.AppRunner(endpoint.app(), access_log=None, lingering_time=0)
-        await runner.setup()
-        try:
-            site = web.TCPSite(runner, host.strip("[]"), int(port), ssl_context=context)
-            await site.start()
-            bound = runner.addresses[0][1]
+        async with listening(endpoint, host.strip("[]"), int(port), context) as bound:
             stop = stop or asyncio.Event()
-            loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, stop.set)
+                asyncio.get_running_loop().add_signal_handler(sig, stop.set)
             if on_ready is not None:
                 on_ready(sandboxes, bound)
             await stop.wait()
-        finally:
-            await runner.cleanup()
     finally:
         await asyncio.to_thread(sandboxes.stop)

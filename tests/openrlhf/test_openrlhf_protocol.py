@@ -359,4 +359,109 @@ def test_requests_past_the_bytes_in_flight_are_refused_at_once():
 
     done = asyncio.run(run())
     assert sorted(status for status, _ in done) == [200] * 4 + [503] * 4
-    assert all(f"would pass the limit of {limit}" in body["error"] for status, body in done if status == 503)
+    assert all(f"the limit of {limit}" in body["error"] for status, body in done if status == 503)
+
+
+# -- what the red team of #44 broke (docs/security-log.md), each a test that failed before its fix ----------------
+
+def _listening_endpoint(gatherer, requests, **limits):
+    """Runs ``requests(port)`` against the endpoint as ``rewardbox serve --openrlhf`` serves it (its connection
+    gate and aiohttp's limits included)."""
+    from rewardbox.serve.openrlhf import listening
+
+    async def run():
+        async with listening(_endpoint(gatherer, **limits), "127.0.0.1", 0) as port:
+            return await requests(port)
+
+    return asyncio.run(run())
+
+
+def test_a_lone_surrogate_gets_400_naming_the_field_and_fails_no_other_request_of_its_batch(monkeypatch):
+    from rewardbox.integrations import batching
+    from rewardbox.integrations.openrlhf import score
+
+    with pytest.raises(ProtocolError, match=r'"query"\[0\] is not valid Unicode'):
+        rows(["P \ud800 x"], ["P "], ["l"])
+    with pytest.raises(ProtocolError, match=r'"prompts"\[0\]'):
+        rows(["x"], ["\udfff"], ["l"])
+
+    async def score_rows(sandboxes, rows_):  # as build_samples does with a row the wire cannot carry
+        for row in rows_:
+            if row["completion"] == "bad":
+                raise ValueError("a row no sandbox can take")
+        return [{"score": float(len(row["completion"]))} for row in rows_]
+
+    monkeypatch.setattr(batching, "score_rows", score_rows)
+
+    async def run():
+        gatherer = batching.Gatherer(None)  # type: ignore[arg-type]
+        calls = [score(gatherer, [q], [""], [None]) for q in ("a", "bb", "bad", "dddd")]
+        return await asyncio.gather(*calls, return_exceptions=True), gatherer.batches
+
+    results, batches = asyncio.run(run())
+    assert [r["rewards"] for r in results if isinstance(r, dict)] == [[1.0], [2.0], [4.0]]
+    assert isinstance(results[2], ValueError)
+    assert batches == 1  # one batch, then each row alone once it failed
+
+
+def test_an_authorization_header_that_is_not_utf8_gets_401_not_500():
+    async def run():
+        async with TestServer(_endpoint(Counting(), token="s3cret").app()) as server:
+            body = b'{"query": ["q"], "prompts": [""], "labels": [2]}'
+            head = (b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
+                    b"Authorization: Bearer \xff\xfe\r\n\r\n" % len(body))
+            return await asyncio.to_thread(_raw, server.port, head, body)
+
+    assert asyncio.run(run()).startswith(b"HTTP/1.1 401")
+
+
+def test_connections_that_declare_large_bodies_and_send_nothing_hold_no_bytes_and_time_out():
+    def idle(port: int) -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.sendall(b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Length: 900\r\n\r\n")
+        return s
+
+    async def requests(port):
+        idlers = [await asyncio.to_thread(idle, port) for _ in range(4)]  # 3,600 bytes declared, 0 sent
+        body = b'{"query": ["q"], "prompts": [""], "labels": [5]}'
+        head = b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+        answered = await asyncio.to_thread(_raw, port, head, body)
+        timed_out = await asyncio.to_thread(lambda: idlers[0].recv(65536))  # its body never came
+        for s in idlers:
+            s.close()
+        return answered, timed_out
+
+    answered, timed_out = _listening_endpoint(Counting(), requests, max_in_flight_bytes=1000, body_timeout_s=1.0)
+    assert answered.startswith(b"HTTP/1.1 200") and b'"rewards": [5.0]' in answered
+    assert timed_out.startswith(b"HTTP/1.1 408")
+
+
+def test_a_connection_whose_headers_never_end_is_closed_and_past_the_cap_new_ones_are_closed_at_once():
+    def slow(port: int) -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.sendall(b"POST /get_reward HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 4000)  # no end of headers
+        return s
+
+    async def requests(port):
+        slow_ones = [await asyncio.to_thread(slow, port) for _ in range(3)]
+        past_cap = await asyncio.to_thread(slow, port)
+        refused = await asyncio.to_thread(_closed, past_cap)  # at once
+        closed = await asyncio.to_thread(_closed, slow_ones[0])  # after first_request_s
+        for s in (*slow_ones, past_cap):
+            s.close()
+        body = b'{"query": ["q"], "prompts": [""], "labels": [1]}'
+        head = b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+        await asyncio.sleep(0.1)  # the closed ones' places are free again
+        return refused, closed, await asyncio.to_thread(_raw, port, head, body)
+
+    refused, closed, answered = _listening_endpoint(Counting(), requests, max_connections=3, first_request_s=1.0)
+    assert refused and closed
+    assert answered.startswith(b"HTTP/1.1 200")
+
+
+def _closed(s: socket.socket) -> bool:
+    """Whether the server closed (or reset) the connection, within the socket's timeout."""
+    try:
+        return s.recv(10) == b""
+    except ConnectionResetError:
+        return True
