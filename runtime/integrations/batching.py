@@ -89,13 +89,15 @@ class Gatherer:
         self._pending: list = []  # [(row, future)] of the batch being gathered
         self._timer: Optional[asyncio.TimerHandle] = None
         self._closes_by = 0.0  # the loop's time by which the batch being gathered goes, whatever arrives
+        self._scoring: set = set()  # the batches' tasks (the loop keeps only weak references to tasks)
         self.batches = 0  # sent so far (rewardbox serve --openrlhf reports it)
 
     async def submit(self, row: dict) -> dict:
         """The row's result, scored in a batch with the rows submitted around it.
 
         Raises:
-            whatever scoring its batch raised (every row of that batch gets it).
+            whatever scoring this row raised (a batch that raised is scored again row by row, so that one row's
+            failure is its own caller's alone).
         """
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -118,7 +120,9 @@ class Gatherer:
         batch, self._pending = self._pending, []
         if batch:
             self.batches += 1
-            asyncio.ensure_future(self._score(batch))
+            task = asyncio.ensure_future(self._score(batch))
+            self._scoring.add(task)
+            task.add_done_callback(self._scoring.discard)
 
     async def _score(self, batch: list) -> None:
         try:
