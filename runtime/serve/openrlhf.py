@@ -56,7 +56,8 @@ class HttpLimits:
     # Connections at once; past it, a new one is closed at once. With max_headers, what connections can make the
     # server hold before any request reaches it (a few hundred KiB each).
     max_connections: int = 1024
-    first_request_s: float = 30.0  # a connection whose first request has not reached the app by then is closed
+    first_request_s: float = 30.0  # a connection with no authorised request by then is closed
+    handshake_s: float = 10.0  # a TLS handshake must end within this
     keepalive_s: float = 60.0  # an idle kept-alive connection is closed after this (aiohttp's own: an hour)
     max_headers: int = 32
 
@@ -104,19 +105,19 @@ class Endpoint:
 
     async def stats(self, request):
         web = _aiohttp()
-        self.connections.served(request.transport)
         refused = self._refusal(request)
         if refused is not None:
             return refused
+        self.connections.served(request.transport)
         return web.json_response({"requests": self.requests, "rollouts": self.rollouts,
                                   "batches": self.gatherer.batches, "in_flight": self.in_flight})
 
     async def get_reward(self, request):
         web = _aiohttp()
-        self.connections.served(request.transport)
         refused = self._refusal(request)
         if refused is not None:
             return refused
+        self.connections.served(request.transport)
         length = request.content_length
         if length is not None and length > self.limits.max_body_bytes:
             return _error(web, 413, f"the body is {length} bytes, over the limit of {self.limits.max_body_bytes} "
@@ -187,22 +188,44 @@ class _Body:
 
 
 class Connections:
-    """The endpoint's connections, gated before aiohttp sees them: at most ``max_connections`` at once (a new one
-    past it is closed at once), and each closed unless a request of it reached the app within ``first_request_s``
-    (headers sent slowly, or never finished, are no request: aiohttp holds what they sent meanwhile)."""
+    """The endpoint's connections, gated before aiohttp sees them. Each is counted from its accept (a TLS
+    handshake included, which must end within ``handshake_s``), and closed unless an authorised request of it
+    reached the app within ``first_request_s``: headers sent slowly or never finished, a handshake that never
+    ends, or requests without the token keep no connection. At ``max_connections``, the oldest connection that has
+    had no authorised request is closed to make room; when every one has, the new one is closed at once."""
 
     def __init__(self, limits: HttpLimits):
         self.limits = limits
-        self.open = 0
-        self._served: set = set()  # ids of the transports one of whose requests reached the app
+        self.live: dict = {}  # _Gated -> None, in the order they were accepted (a dict keeps it)
+        self.handshake_s = 0.0  # limits.handshake_s where the connections are TLS (set by listening)
+
+    @property
+    def open(self) -> int:
+        return len(self.live)
 
     def served(self, transport) -> None:
-        if transport is not None:
-            self._served.add(id(transport))
+        """A request of ``transport``'s connection passed the token check: it stays."""
+        for gated in self.live:
+            if gated.transport is transport:
+                gated.served = True
+                return
 
     def factory(self, make: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
-        """The protocol factory for ``loop.create_server``: ``make``'s protocols (aiohttp's), gated."""
+        """The protocol factory for ``loop.create_server`` (called at each accept, before a TLS handshake):
+        ``make``'s protocols (aiohttp's), gated."""
         return lambda: _Gated(self, make())
+
+    def admit(self, gated: "_Gated") -> bool:
+        if len(self.live) >= self.limits.max_connections:
+            oldest = next((g for g in self.live if not g.served), None)
+            if oldest is None:
+                return False
+            oldest.close()
+        self.live[gated] = None
+        return True
+
+    def release(self, gated: "_Gated") -> None:
+        self.live.pop(gated, None)
 
 
 class _Gated(asyncio.Protocol):
@@ -211,32 +234,44 @@ class _Gated(asyncio.Protocol):
     def __init__(self, gate: Connections, inner: Any):
         self.gate, self.inner = gate, inner
         self.transport: Optional[asyncio.Transport] = None
-        self.counted = False
-        self.timer: Optional[asyncio.TimerHandle] = None
+        self.served = False
+        self.made = False
+        self.refused = not gate.admit(self)
+        # At least the handshake's time: a connection whose handshake never ended is released here (asyncio's
+        # handshake timeout closed it, and such a protocol hears nothing of it)
+        wait_s = max(gate.limits.first_request_s, gate.handshake_s)
+        self.timer = None if self.refused else asyncio.get_running_loop().call_later(wait_s, self._first_request)
 
     def connection_made(self, transport) -> None:  # a stream transport (create_server's)
         self.transport = transport
-        if self.gate.open >= self.gate.limits.max_connections:
+        if self.refused:
             transport.abort()
             return
-        self.gate.open += 1
-        self.counted = True
-        self.timer = asyncio.get_running_loop().call_later(self.gate.limits.first_request_s, self._first_request)
+        self.made = True
         self.inner.connection_made(transport)
 
+    def close(self) -> None:
+        """Made room for a newer connection: closed now, or, mid-handshake, once it is made."""
+        self.gate.release(self)
+        self.refused = True
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.transport is not None:
+            self.transport.abort()
+
     def _first_request(self) -> None:
-        if id(self.transport) not in self.gate._served and self.transport is not None:
+        if not self.made:
+            self.gate.release(self)
+        elif not self.served and self.transport is not None:
             self.transport.abort()
 
     def connection_lost(self, exc) -> None:
-        if not self.counted:
-            return
-        self.counted = False
-        self.gate.open -= 1
-        self.gate._served.discard(id(self.transport))
+        self.gate.release(self)
         if self.timer is not None:
             self.timer.cancel()
-        self.inner.connection_lost(exc)
+        if self.made:
+            self.made = False
+            self.inner.connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         self.inner.data_received(data)
@@ -265,10 +300,12 @@ async def listening(endpoint: Endpoint, host: str, port: int, context: Optional[
     runner = web.AppRunner(endpoint.app(), access_log=None, lingering_time=0, keepalive_timeout=limits.keepalive_s,
                            max_headers=limits.max_headers)
     await runner.setup()
+    endpoint.connections.handshake_s = limits.handshake_s if context is not None else 0.0
     try:
         assert runner.server is not None  # set up
-        server = await asyncio.get_running_loop().create_server(endpoint.connections.factory(runner.server), host,
-                                                                port, ssl=context)
+        server = await asyncio.get_running_loop().create_server(
+            endpoint.connections.factory(runner.server), host, port, ssl=context,
+            ssl_handshake_timeout=limits.handshake_s if context is not None else None)
         try:
             yield server.sockets[0].getsockname()[1]
         finally:

@@ -436,27 +436,93 @@ def test_connections_that_declare_large_bodies_and_send_nothing_hold_no_bytes_an
     assert timed_out.startswith(b"HTTP/1.1 408")
 
 
-def test_a_connection_whose_headers_never_end_is_closed_and_past_the_cap_new_ones_are_closed_at_once():
-    def slow(port: int) -> socket.socket:
-        s = socket.create_connection(("127.0.0.1", port), timeout=10)
-        s.sendall(b"POST /get_reward HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 4000)  # no end of headers
-        return s
+def _slow(port: int) -> socket.socket:
+    """A connection whose headers never end."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(b"POST /get_reward HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 4000)
+    return s
 
+
+def _keep_alive(port: int, token: str = "") -> socket.socket:
+    """A kept-alive connection that has had one request answered (with ``token``, where given)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    auth = f"Authorization: Bearer {token}\r\n".encode() if token else b""
+    s.sendall(b"GET /stats HTTP/1.1\r\nHost: x\r\n" + auth + b"\r\n")
+    assert s.recv(65536).split(b" ", 2)[1] in (b"200", b"401")
+    return s
+
+
+def test_a_connection_whose_headers_never_end_is_closed_and_at_the_cap_the_oldest_such_makes_room():
     async def requests(port):
-        slow_ones = [await asyncio.to_thread(slow, port) for _ in range(3)]
-        past_cap = await asyncio.to_thread(slow, port)
-        refused = await asyncio.to_thread(_closed, past_cap)  # at once
-        closed = await asyncio.to_thread(_closed, slow_ones[0])  # after first_request_s
-        for s in (*slow_ones, past_cap):
+        slow_ones = [await asyncio.to_thread(_slow, port) for _ in range(3)]
+        newest = await asyncio.to_thread(_slow, port)  # at the cap: the oldest unserved one goes
+        evicted = await asyncio.to_thread(_closed, slow_ones[0])
+        timed_out = await asyncio.to_thread(_closed, slow_ones[1])  # after first_request_s
+        for s in (*slow_ones, newest):
             s.close()
         body = b'{"query": ["q"], "prompts": [""], "labels": [1]}'
         head = b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
         await asyncio.sleep(0.1)  # the closed ones' places are free again
-        return refused, closed, await asyncio.to_thread(_raw, port, head, body)
+        return evicted, timed_out, await asyncio.to_thread(_raw, port, head, body)
 
-    refused, closed, answered = _listening_endpoint(Counting(), requests, max_connections=3, first_request_s=1.0)
-    assert refused and closed
+    evicted, timed_out, answered = _listening_endpoint(Counting(), requests, max_connections=3, first_request_s=1.0)
+    assert evicted and timed_out
     assert answered.startswith(b"HTTP/1.1 200")
+
+
+def test_requests_without_the_token_keep_no_connection_and_authorised_ones_keep_theirs_at_the_cap():
+    async def requests(port):
+        unauthorised = [await asyncio.to_thread(_keep_alive, port) for _ in range(2)]  # 401, then idle
+        authorised = [await asyncio.to_thread(_keep_alive, port, "t") for _ in range(2)]
+        gone = await asyncio.to_thread(_closed, unauthorised[0])  # made room for the authorised ones
+        third = await asyncio.to_thread(_keep_alive, port, "t")  # the cap: 3, the last unauthorised one goes
+        gone_too = await asyncio.to_thread(_closed, unauthorised[1])
+        past = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", port), 10)
+        refused = await asyncio.to_thread(_closed, past)  # every one left is authorised: the new one goes
+        await asyncio.sleep(1.5)  # past first_request_s: the authorised ones stay
+        kept = [await asyncio.to_thread(_keep_alive_again, s) for s in (*authorised, third)]
+        for s in (*unauthorised, *authorised, third, past):
+            s.close()
+        return gone, gone_too, refused, kept
+
+    gone, gone_too, refused, kept = _listening_endpoint(Counting(), requests, token="t", max_connections=3,
+                                                        first_request_s=1.0)
+    assert gone and gone_too and refused
+    assert kept == [True, True, True]
+
+
+def _keep_alive_again(s: socket.socket) -> bool:
+    s.sendall(b"GET /stats HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t\r\n\r\n")
+    return s.recv(65536).startswith(b"HTTP/1.1 200")
+
+
+def test_a_tls_handshake_that_never_ends_is_closed_and_frees_its_place():
+    import trustme
+
+    from rewardbox.serve.openrlhf import listening, ssl_context
+
+    ca = trustme.CA()
+    server = ca.issue_cert("127.0.0.1")
+    security = ServiceSecurity(certificate=b"".join(b.bytes() for b in server.cert_chain_pems),
+                               private_key=server.private_key_pem.bytes())
+
+    async def run():
+        endpoint = _endpoint(Counting(), max_connections=2, first_request_s=0.5, handshake_s=0.5)
+        async with listening(endpoint, "127.0.0.1", 0, ssl_context(security)) as port:
+            stuck = [await asyncio.to_thread(socket.create_connection, ("127.0.0.1", port), 10) for _ in range(5)]
+            for s in stuck[:2]:
+                s.sendall(b"\x16\x03\x01\x00")  # a ClientHello that never ends
+            held = endpoint.connections.open
+            closed = [await asyncio.to_thread(_closed, s) for s in stuck]
+            await asyncio.sleep(0.6)
+            left = endpoint.connections.open
+            for s in stuck:
+                s.close()
+            return held, closed, left
+
+    held, closed, left = asyncio.run(run())
+    assert held <= 2  # counted from the accept, the handshake included
+    assert all(closed) and left == 0
 
 
 def _closed(s: socket.socket) -> bool:
