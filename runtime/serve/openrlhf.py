@@ -198,6 +198,7 @@ class Connections:
         self.limits = limits
         self.live: dict = {}  # _Gated -> None, in the order they were accepted (a dict keeps it)
         self.handshake_s = 0.0  # limits.handshake_s where the connections are TLS (set by listening)
+        self._by_transport: dict = {}  # id(transport) -> its _Gated, from connection_made to connection_lost
 
     @property
     def open(self) -> int:
@@ -205,10 +206,9 @@ class Connections:
 
     def served(self, transport) -> None:
         """A request of ``transport``'s connection passed the token check: it stays."""
-        for gated in self.live:
-            if gated.transport is transport:
-                gated.served = True
-                return
+        gated = self._by_transport.get(id(transport))
+        if gated is not None and gated.transport is transport:
+            gated.served = True
 
     def factory(self, make: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
         """The protocol factory for ``loop.create_server`` (called at each accept, before a TLS handshake):
@@ -226,6 +226,8 @@ class Connections:
 
     def release(self, gated: "_Gated") -> None:
         self.live.pop(gated, None)
+        if gated.transport is not None and self._by_transport.get(id(gated.transport)) is gated:
+            del self._by_transport[id(gated.transport)]
 
 
 class _Gated(asyncio.Protocol):
@@ -248,6 +250,7 @@ class _Gated(asyncio.Protocol):
             transport.abort()
             return
         self.made = True
+        self.gate._by_transport[id(transport)] = self
         self.inner.connection_made(transport)
 
     def close(self) -> None:
