@@ -92,7 +92,8 @@ class Endpoint:
         return app
 
     def _refusal(self, request) -> Optional[Any]:
-        """The answer to a request refused before its body is read, or None."""
+        """The answer to a request without the token, refused before its body is read; None for one with it,
+        whose connection then stays (:class:`Connections`)."""
         web = _aiohttp()
         if self._expected is not None:
             # aiohttp decodes headers with surrogateescape: a byte that is not UTF-8 stays one here (and refuses)
@@ -101,6 +102,7 @@ class Endpoint:
                 return web.json_response({"error": "missing or wrong token: send Authorization: Bearer <token> "
                                                    "(the token rewardbox serve was started with)"}, status=401,
                                          headers={"WWW-Authenticate": "Bearer"})
+        self.connections.served(request.transport)
         return None
 
     async def stats(self, request):
@@ -108,7 +110,6 @@ class Endpoint:
         refused = self._refusal(request)
         if refused is not None:
             return refused
-        self.connections.served(request.transport)
         return web.json_response({"requests": self.requests, "rollouts": self.rollouts,
                                   "batches": self.gatherer.batches, "in_flight": self.in_flight})
 
@@ -117,7 +118,6 @@ class Endpoint:
         refused = self._refusal(request)
         if refused is not None:
             return refused
-        self.connections.served(request.transport)
         length = request.content_length
         if length is not None and length > self.limits.max_body_bytes:
             return _error(web, 413, f"the body is {length} bytes, over the limit of {self.limits.max_body_bytes} "
