@@ -402,7 +402,7 @@ def serve(
     openrlhf_max_in_flight: int = typer.Option(4096, min=1, help="--openrlhf: requests answered at once; more are "
                                                "refused at once (503: OpenRLHF's client tries again)"),
     openrlhf_max_in_flight_mb: int = typer.Option(256, min=1, help="--openrlhf: what the requests answered at once "
-                                                  "may hold together (MiB, as their bodies declare); more: 503"),
+                                                  "may hold together (MiB, counted as their bodies arrive); more: 503"),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Serve CONFIG's rewards to many trainers and ranks on one authenticated endpoint (`backend: remote`), or with

@@ -164,10 +164,9 @@ def service_requirements() -> list[str]:
     except metadata.PackageNotFoundError:
         raise ImageBuildError("rewardbox is not installed as a distribution, so the service image's dependencies "
                               "are unknown: install it (`pip install -e .` in a checkout)") from None
-    names = [Requirement(r).name for r in required if Requirement(r).marker is None]
+    names = []
     for r in map(Requirement, required):
-        marker = r.marker
-        if marker is not None and any(marker.evaluate({"extra": e}) for e in SERVICE_EXTRAS) and _installed(r.name):
+        if r.marker is None or (any(r.marker.evaluate({"extra": e}) for e in SERVICE_EXTRAS) and _installed(r.name)):
             names.append(r.name)
     return [f"{name}=={metadata.version(name)}" for name in dict.fromkeys(names)]
 

@@ -48,8 +48,8 @@ class HttpLimits:
 
     max_body_bytes: int = 16 * 1024 * 1024  # one rollout's query, prompt and label: far less
     max_in_flight: int = 4096  # requests being answered at once; more get 503 at once
-    # What the requests being answered may hold together (their bodies as declared, or the body limit for one that
-    # declares none): the in-flight limit times the body limit would be 64 GiB. Past it, 503 at once.
+    # What the requests being answered may hold together (their bodies' bytes, counted as they arrive): the
+    # in-flight limit times the body limit would be 64 GiB. Past it, 503 at once.
     max_in_flight_bytes: int = 256 * 1024 * 1024
     max_rollouts: int = MAX_BATCH  # rollouts in one request (OpenRLHF sends one)
     body_timeout_s: float = 30.0  # a body must have arrived whole within this of its headers (else 408)
