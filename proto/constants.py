@@ -36,10 +36,15 @@ GVISOR_WARM = 8
 SLOT_UID_BASE = 100000
 
 
-def sandbox_slots(isolation: str, workers: int, warm: int) -> int:
+def sandbox_slots(isolation: str, workers: int, warm: int, style: str = "") -> int:
     """How many slots (uid + scratch directory) one version of a reward's function holds: ``warm`` pre-forked
-    processes for ``isolation: sample`` and ``process`` (at least ``workers``), one per worker for ``isolation: worker``. A
-    sandbox has room for two versions at once, as a reload's new version starts while the old one finishes."""
+    processes for ``isolation: sample`` and ``process`` (at least ``workers``), one per worker for ``isolation: worker``;
+    for an environment (``workers``: its live episodes at most), one per live episode and as many prepared ahead, so
+    that TRL's resets of a whole batch, one after another, each find a process ready (each reset's end of the last
+    episode frees one, prepared again while the batch generates). A sandbox has room for two versions at once, as a
+    reload's new version starts while the old one finishes."""
+    if style == "environment":
+        return 2 * workers
     return workers if isolation == "worker" else max(workers, warm)
 
 # The release, reported by every sandbox server (Describe) and the host package alike.

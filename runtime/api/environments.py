@@ -38,7 +38,7 @@ from ..report.tool_calls import CALLS
 from ..scoring.client import ScoreReport, call_bytes, checked, too_much
 from ..scoring.replica import Replica
 from ..spec import RewardSpec, Where, parse_config
-from ..wire import HARD_TIMEOUT_MARGIN_S, Status
+from ..wire import HARD_TIMEOUT_MARGIN_S, Status, sandbox_slots
 from ..wire.pb import reward_pb2 as pb
 from .dropin import _check_settings, _installs, _spec_name, _validate
 from .session import RewardSandboxes
@@ -60,7 +60,8 @@ def pids_for(max_episodes: int) -> int:
     may (the docker backend's own check: :func:`..backends.docker.slot_plan`), where the user set none."""
     from ..backends.docker import MIN_SLOT_PROCESSES, OWN_PROCESSES
 
-    return max(256, 2 * max_episodes + 2 * max_episodes * MIN_SLOT_PROCESSES + OWN_PROCESSES)
+    slots = 2 * sandbox_slots("worker", max_episodes, 0, "environment")  # two versions' (see slot_plan)
+    return max(256, slots + 2 * max_episodes * MIN_SLOT_PROCESSES + OWN_PROCESSES)
 
 
 def _episode_settings(settings: dict, max_episodes: int) -> dict:

@@ -35,7 +35,9 @@ log = logging.getLogger("rewardbox")
 NOBODY = 65534
 # Processes of a sandbox itself (init, server, supervisor, templates) beside its slot processes.
 OWN_PROCESSES = 16
-UID_BLOCK = 4096  # uids a container draws: its slot uids and their run uids
+# uids a container draws: its slot uids and their run uids (an environment of 1,024 live episodes: 2 versions x 2,048
+# slots, and a run uid beside each). Blocks start below 2**30: a uid's top bit is the reaper's (tree.REAPER_UID_BIT).
+UID_BLOCK = 16384
 MIN_SLOT_PROCESSES = 16
 # gVisor has no OOM killer of its own: the host's kills its kernel, that is the whole sandbox, when its processes
 # together pass the memory limit (each costs about 12 MiB there, measured). So each sample process gets an address
@@ -75,9 +77,14 @@ def slot_plan(reward: RewardSpec, runtime: Optional[str]) -> SlotPlan:
     """
     gvisor = is_gvisor(runtime)
     default_warm = GVISOR_WARM if gvisor else DEFAULT_WARM
-    per_version = sandbox_slots(reward.isolation, reward.workers, reward.warm or default_warm)
+    per_version = sandbox_slots(reward.isolation, reward.workers, reward.warm or default_warm, reward.style)
     # Two versions of the function may run at once (a reload's new one while the old one finishes).
     slots = 2 * per_version
+    if 2 * slots > UID_BLOCK:  # each slot uid has a run uid beside it, all in the container's block
+        what = "max_episodes" if reward.style == "environment" else "workers"
+        raise ConfigError(f"reward {reward.name!r}: {per_version} slot processes per version need "
+                          f"{2 * slots} uids, over the {UID_BLOCK} a sandbox has: lower {what} (or warm), and use "
+                          "replicas for more")
     needed = slots + 2 * reward.workers * MIN_SLOT_PROCESSES + OWN_PROCESSES
     if reward.pids < needed:
         raise ConfigError(f"reward {reward.name!r}: pids: {reward.pids} leaves too little room for its "
@@ -213,8 +220,8 @@ class DockerBackend:
         uid = os.getuid()
         plan = slot_plan(reward, self.settings.runtime)
         # RLIMIT_NPROC counts a uid's processes across the host: each container draws uids of its own (slot uids,
-        # then as many run uids: at most 2 * 2 * 512 of a block).
-        first = SLOT_UID_BASE + UID_BLOCK * self._uid_blocks.randrange(1, 1 << 18)
+        # then as many run uids: at most UID_BLOCK).
+        first = SLOT_UID_BASE + UID_BLOCK * self._uid_blocks.randrange(1, 1 << 16)
         spec = ContainerSpec(
             image=image,
             name=f"rewardbox-{self.run_id}-{reward.name}-{replica}",

@@ -4,10 +4,11 @@
 forked for each call) beside the same function called in-process: one call at a time (TRL calls a rollout's tools,
 then the next rollout's), overhead per call p50 and p99; and 64 calls at once, wall time per call.
 
-(v) an environment through :func:`rewardbox.sandboxed_environment`: 1,024 resets in a row over a pool of 64
-instances, as TRL calls them (each ends an episode and starts one in a process prepared ahead); a method call's
-overhead beside in-process; the sandbox's memory per idle live episode (256 live, beyond the sandbox with none);
-256 episodes started one after another, then 3 calls each, all at once.
+(v) an environment through :func:`rewardbox.sandboxed_environment`: resets as TRL calls them, 1,024 in all: a batch
+of 256 rollouts, each step resetting every rollout's instance one after another (each reset ends the instance's
+last episode and starts one in a process prepared ahead), then a pause as long as a step's generation, 4 steps; a
+method call's overhead beside in-process; the sandbox's memory per idle live episode (256 live, beyond the sandbox
+with none); 256 episodes started one after another, then 3 calls each, all at once.
 """
 
 from __future__ import annotations
@@ -102,9 +103,12 @@ class Tally:
         return float(self.total)
 '''
 
-RESETS = 1024
-POOL = 64  # TRL's pool: one instance per rollout in flight
-LIVE = 256
+LIVE = 256  # TRL's pool: one instance per rollout of a batch
+STEPS = 4  # steps of LIVE resets each
+RESETS = STEPS * LIVE
+# Between two steps' resets TRL generates (and trains): seconds with the CPUs all but idle, when the sandbox prepares
+# the processes the next step's episodes start in.
+STEP_S = 3.0
 TARGET_RESET_P50_MS = 2.0
 TARGET_IDLE_MIB = 15.0
 
@@ -126,17 +130,17 @@ def environment_figures(client, base_image: str, iterations: int, progress: Call
     tally = namespace["Tally"]
     sandbox = {"backend": "docker", "docker": {"base_image": base_image}}
     figures = []
-    progress(f"(v) environments: {RESETS} resets in a row over a pool of {POOL}, {iterations} calls, "
-             f"{LIVE} live episodes")
-    with sandboxed_environment(tally, sandbox=sandbox, max_episodes=LIVE + 8, memory="4g") as factory:
+    progress(f"(v) environments: {STEPS} steps of {LIVE} resets in a row, {iterations} calls, {LIVE} live episodes")
+    with sandboxed_environment(tally, sandbox=sandbox, max_episodes=LIVE, memory="4g") as factory:
         assert not isinstance(factory, dict)  # one environment: its factory
-        pool = [factory() for _ in range(POOL)]
-        time.sleep(5.0)  # the sandbox prepares its processes ahead of demand
+        pool = [factory() for _ in range(LIVE)]
         resets = []
-        for i in range(RESETS):
-            t0 = time.perf_counter()
-            pool[i % POOL].reset()
-            resets.append(time.perf_counter() - t0)
+        for _ in range(STEPS):
+            time.sleep(STEP_S)  # the sandbox prepares its processes ahead of demand
+            for instance in pool:
+                t0 = time.perf_counter()
+                instance.reset()
+                resets.append(time.perf_counter() - t0)
         env = pool[0]
         in_process = tally()
         in_process.reset()
@@ -155,7 +159,7 @@ def environment_figures(client, base_image: str, iterations: int, progress: Call
             end_episode(instance)
         time.sleep(5.0)
         idle = _container_memory(client)
-        live = [factory() for _ in range(LIVE)]
+        live = pool
         t0 = time.perf_counter()
         for instance in live:
             instance.reset()
@@ -175,15 +179,15 @@ def environment_figures(client, base_image: str, iterations: int, progress: Call
     call_p50, call_p99 = ((_percentile(call_times, q) - base) * 1000 for q in (0.5, 0.99))
     per_idle = (busy - idle) / LIVE / 2 ** 20
     figures += [
-        Figure(f"reset of a fresh episode, {RESETS} in a row over {POOL} instances, p50", f"{reset_p50:.2f} ms",
+        Figure(f"reset of a fresh episode, {STEPS} steps of {LIVE} in a row, p50", f"{reset_p50:.2f} ms",
                f"<= {TARGET_RESET_P50_MS:g} ms", reset_p50 <= TARGET_RESET_P50_MS),
         Figure("reset of a fresh episode, p99", f"{reset_p99:.2f} ms", "-", None),
         Figure("overhead per environment method call, p50", f"{call_p50:.2f} ms", "<= 2 ms", call_p50 <= 2.0),
         Figure("overhead per environment method call, p99", f"{call_p99:.2f} ms", "-", None),
         Figure(f"memory per idle live episode ({LIVE} live, beyond a prepared process)", f"{per_idle:.1f} MiB",
                f"<= {TARGET_IDLE_MIB:g} MiB", per_idle <= TARGET_IDLE_MIB),
-        Figure(f"sandbox memory with {LIVE + 8} episode processes prepared, none live, per process",
-               f"{idle / (LIVE + 8) / 2 ** 20:.1f} MiB", "-", None),
+        Figure(f"sandbox memory with {2 * LIVE} episode processes prepared, none live, per process",
+               f"{idle / (2 * LIVE) / 2 ** 20:.1f} MiB", "-", None),
         Figure(f"{LIVE} episodes started one after another", f"{started_s:.2f} s", "-", None),
         Figure(f"{LIVE} live episodes, 3 calls each interleaved, wall", f"{together_s:.2f} s", "-", None),
     ]

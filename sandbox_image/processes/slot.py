@@ -124,6 +124,12 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
         if not slot.known_clean:
             kill_uid(slot.uid, atomic=slot.atomic_kill)
             mark = remove_ipc(slot.uid, mark)
+        # Samples yield the CPU to the sandbox's own processes (nice only weighs tasks of the container's own
+        # cgroup against each other: the container's share of the machine is unchanged). Whatever a sample leaves
+        # spinning cannot slow down the template that cleans up after it, nor the server. From here on, once what
+        # the uid's last processes left is killed (at the template's priority): the rest of this preparing yields
+        # to the calls in flight too (an environment's next process is prepared while the resets go on).
+        os.setpriority(os.PRIO_PROCESS, 0, SAMPLE_NICE)
         # What they left in flight in a cycle is freed first (as after a forked sample: forked.Forker._run): a port,
         # or an unlinked file in the scratch directory, held until then.
         in_flight = sockets.UnixSockets(slot.uid)
@@ -154,10 +160,6 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
         limit = SAMPLE_OPEN_FILES if hard == resource.RLIM_INFINITY else min(SAMPLE_OPEN_FILES, hard)
         resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
-        # Samples yield the CPU to the sandbox's own processes (nice only weighs tasks of the container's own
-        # cgroup against each other: the container's share of the machine is unchanged). Whatever a sample leaves
-        # spinning cannot slow down the template that cleans up after it, nor the server.
-        os.setpriority(os.PRIO_PROCESS, 0, SAMPLE_NICE)
     home = private_tmp.home(slot.private_tmp, slot.directory)
     os.chdir(home)
     if any(os.environ.get(name) != home for name in HOME_VARIABLES):  # the template set them where it could

@@ -23,6 +23,7 @@ import _thread
 import collections
 import dataclasses
 import gc
+import math
 import os
 import selectors
 import signal
@@ -42,6 +43,17 @@ from . import worker
 # A slot process that dies before it is ready this many times in a row is reported and no longer respawned.
 MAX_SETUP_FAILURES = 3
 RESPAWN_BACKOFF_S = 0.05
+# Style environment: the process of an episode the host ended is stopped at once (SIGSTOP) and killed, and its slot
+# gets its next process, once no call came for IDLE_RESPAWN_S (TRL resets a whole batch's instances one after
+# another, then generates for seconds: a process's end and the start of the next cost several resets' CPU, spent
+# then and not in the burst's way); at once where the slots holding a fresh process are down to a reserve
+# (RESERVE_FRACTION of them, at least MIN_RESERVE); and MAX_RESPAWN_DELAY_S after the end at the latest. Until then
+# what that episode's own processes left under its uid lives on, alone with its uid, and its memory stays taken.
+# Half the slots are spares (sandbox_slots): a batch's resets fit in them.
+IDLE_RESPAWN_S = 0.05
+RESERVE_FRACTION = 1 / 32
+MIN_RESERVE = 2
+MAX_RESPAWN_DELAY_S = 10.0
 
 
 @dataclass
@@ -59,6 +71,7 @@ class _Slot:
     cleaned: bool = False  # a process of this template got ready in this slot: it had cleaned up after the uid
     served: bool = False  # its current process was given a request (a process that serves one is not "ready")
     episode: Optional[str] = None  # style environment: the episode its current process holds
+    ended_at: float = 0.0  # style environment: when the host ended the episode it holds (its process is stopped)
 
 
 class Template:
@@ -79,6 +92,7 @@ class Template:
         self.closing = False
         self.runner: Optional[socket.socket] = None
         self.runner_pid = 0
+        self.last_call = 0.0  # style environment: when the last call went to a slot process (see IDLE_RESPAWN_S)
 
     # -- life ----------------------------------------------------------------------------------------------------
     def _start_runner(self) -> None:
@@ -158,6 +172,8 @@ class Template:
                     self._ready(key.data)
             self._reap()
             self._dispatch()  # requests first: a fork costs the template about a millisecond
+            if self.episodes:
+                self._end_due()
             self._respawn_due()
         self._kill_all()
 
@@ -189,8 +205,45 @@ class Template:
     def _next_timer(self) -> Optional[float]:
         if not self._may_spawn():
             return None  # what ends the wait (a slot exits or gets ready, a request arrives) wakes the selector
-        due = [s.respawn_at for s in self.slots if not s.pid and not s.broken]
+        short = self._short()
+        due = [self._due_at(s, short) for s in self.slots if not s.pid and not s.broken]
+        due += [self._end_due_at(s) for s in self.slots if s.ended_at and s.pid]
         return max(0.0, min(due) - time.monotonic()) if due else None
+
+    def _short(self) -> int:
+        """Style environment: how many processes the reserve (RESERVE_FRACTION of the slots, at least MIN_RESERVE)
+        lacks; those that are fresh (ready, never served) or being prepared count. 0 for other styles."""
+        if not self.episodes:
+            return 0
+        supply = sum(1 for s in self.slots if s.pid and not s.retiring and not s.served)
+        return max(0, math.ceil(max(MIN_RESERVE, RESERVE_FRACTION * len(self.slots))) - supply)
+
+    def _due_at(self, s: _Slot, short: int) -> float:
+        """When slot ``s`` (its process gone) gets its next one: see IDLE_RESPAWN_S for an environment's."""
+        if not self.episodes or not s.cleaned or short:
+            return s.respawn_at
+        return max(s.respawn_at, min(self.last_call + IDLE_RESPAWN_S, s.respawn_at + MAX_RESPAWN_DELAY_S))
+
+    def _end_due_at(self, s: _Slot) -> float:
+        """When the stopped process of slot ``s``, whose episode the host ended, is killed (see IDLE_RESPAWN_S)."""
+        return min(max(s.ended_at, self.last_call + IDLE_RESPAWN_S), s.ended_at + MAX_RESPAWN_DELAY_S)
+
+    def _end_due(self) -> None:
+        """Kills the stopped processes of ended episodes that are due, and as many more (the longest ended first)
+        as the reserve lacks beyond the slots already waiting for their next process (see IDLE_RESPAWN_S)."""
+        ended = [s for s in self.slots if s.ended_at and s.pid]
+        if not ended:
+            return
+        now = time.monotonic()
+        waiting = sum(1 for s in self.slots if not s.pid and not s.broken)
+        extra = max(0, self._short() - waiting)
+        for k, s in enumerate(sorted(ended, key=lambda s: s.ended_at)):
+            if k < extra or self._end_due_at(s) <= now:
+                s.ended_at = 0.0
+                try:
+                    os.kill(s.pid, signal.SIGKILL)
+                except OSError:
+                    pass
 
     def _may_spawn(self) -> bool:
         """Whether to fork slot processes now: always, but while closing. A slot's next process is what cleans up
@@ -290,6 +343,7 @@ class Template:
             s.control.close()
         s.pid, s.control, s.ready, s.retiring, s.requests, s.served = 0, None, False, False, set(), False
         s.episode = None  # its episode, if any, is gone with it: its later calls fail (_slot_for)
+        s.ended_at = 0.0
         if not served:
             s.setup_failures += 1
             if s.setup_failures >= MAX_SETUP_FAILURES:
@@ -305,7 +359,8 @@ class Template:
         if not self._may_spawn():
             return
         now = time.monotonic()
-        s = next((s for s in self.slots if not s.pid and not s.broken and s.respawn_at <= now), None)
+        short = self._short()
+        s = next((s for s in self.slots if not s.pid and not s.broken and self._due_at(s, short) <= now), None)
         if s is not None:
             self._spawn(s)
 
@@ -332,9 +387,9 @@ class Template:
         elif op == "end":  # the host is done with an episode: its process goes, and a fresh one is prepared
             for s in self.slots:
                 if self.episodes and s.episode is not None and s.episode == message.get("episode") and s.pid:
-                    s.retiring = True
-                    try:
-                        os.kill(s.pid, signal.SIGKILL)
+                    s.retiring, s.ended_at = True, time.monotonic()
+                    try:  # killed once calls pause (IDLE_RESPAWN_S)
+                        os.kill(s.pid, signal.SIGSTOP)
                     except OSError:
                         pass
         elif op == "done":  # the server read the request's answer; ``retire``: the process must not serve again
@@ -409,6 +464,7 @@ class Template:
             os.close(fd)
             s.requests.add(request)
             s.served = True
+            self.last_call = time.monotonic()
             if start:
                 s.episode = episode
         self.queue = waiting

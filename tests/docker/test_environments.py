@@ -142,3 +142,90 @@ def test_an_episode_that_timed_out_falls_back_until_reset(factory):
     env.reset(secret="abcd")
     assert asyncio.run(env.look())["found"] == [] and env.get_reward() == 4.0
     end_episode(env)
+
+
+class Paced:
+    """A counter (for the test of when an ended episode's process goes)."""
+
+    def reset(self, **kwargs) -> None:
+        self.n = 0
+
+    def add(self, n: int) -> int:
+        """Adds.
+
+        Args:
+            n: how much
+        """
+        self.n += n
+        return self.n
+
+
+def _slot_states(container_id: str) -> list:
+    """The states (R, S, T...) of the container's slot processes, read from the host's /proc (runc)."""
+    states = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cgroup") as f:
+                if container_id not in f.read():
+                    continue
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if stat[stat.index("(") + 1:stat.rindex(")")] == "rbx-slot":
+            states.append(stat[stat.rindex(")") + 2])
+    return states
+
+
+def _until(check, timeout_s: float = 30.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_an_ended_episodes_process_stops_at_once_and_goes_once_calls_pause(docker_client, base_image):
+    """TRL resets a batch's instances one after another: the processes of the episodes they end are stopped at once
+    (nothing of them runs on) and killed, their slots prepared again, once calls pause, not in the burst's way."""
+    import threading
+    import time
+
+    from rewardbox.sandbox.processes.template import IDLE_RESPAWN_S, MIN_RESERVE
+
+    sandbox = {"backend": "docker", "docker": {"base_image": base_image}}
+    with sandboxed_environment(Paced, sandbox=sandbox, max_episodes=4) as factory:
+        envs = [factory() for _ in range(4)]
+        for env in envs:
+            env.reset()
+        (container,) = [c for c in docker_client.containers.list(filters={"label": f"rewardbox.pid={os.getpid()}"})
+                        if "paced" in c.name.lower()]
+        # One live process per episode, as many prepared ahead (two versions' slots: 16 uids; one version's 8)
+        _until(lambda: sorted(_slot_states(container.id)).count("S") == 8)
+        busy = threading.Event()
+
+        def calls() -> None:  # a call every 10 ms: the sandbox never pauses for IDLE_RESPAWN_S
+            async def run():
+                while not busy.is_set():
+                    await envs[0].add(n=1)
+                    await asyncio.sleep(IDLE_RESPAWN_S / 5)
+            asyncio.run(run())
+
+        caller = threading.Thread(target=calls)
+        caller.start()
+        try:
+            # Two resets leave MIN_RESERVE (2) fresh processes: a third would have one of the two killed and its
+            # slot prepared again at once, for the reserve.
+            assert MIN_RESERVE == 2
+            for env in envs[1:3]:
+                env.reset()
+            time.sleep(3 * IDLE_RESPAWN_S)
+            states = _slot_states(container.id)
+        finally:
+            busy.set()
+            caller.join()
+        assert states.count("T") == 2 and len(states) == 8, states  # stopped, none started in their place
+        assert [asyncio.run(env.add(n=2)) for env in envs[1:3]] == [2, 2]  # the new episodes, fresh
+        # Once calls pause: the two are gone and their slots hold fresh processes again.
+        _until(lambda: sorted(_slot_states(container.id)) == ["S"] * 8, timeout_s=10.0)
