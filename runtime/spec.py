@@ -32,6 +32,17 @@ from .wire import DEFAULT_CONCURRENCY, DEFAULT_MAX_LOG_BYTES, DEFAULT_WORKERS
 
 _NAME = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
 _BYTE_UNITS = {"b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}  # Docker's: powers of 1024
+
+
+MEMORY_PATTERN = re.compile(r"^\d+(\.\d+)?[bkmgBKMG]?$")  # what Docker's --memory takes
+
+
+def memory_bytes(memory: str) -> int:
+    """A ``memory`` setting (as the field's pattern allows) in bytes, as Docker reads it (no unit: bytes)."""
+    unit = memory[-1].lower()
+    if unit in _BYTE_UNITS:
+        return int(float(memory[:-1]) * _BYTE_UNITS[unit])
+    return int(float(memory))
 # A Debian package name (policy 5.6.1), optionally pinned to a version (5.6.12) as `apt-get install` takes it.
 _DEB = re.compile(r"^[a-z0-9][a-z0-9+.-]+(=[A-Za-z0-9.+:~-]+)?$")
 
@@ -143,7 +154,7 @@ class RewardSpec(_Strict):
     warm: Optional[PositiveInt] = Field(
         default=None, le=512, description="isolation: sample: processes kept forked and ready for the next samples "
         "(default 32; 8 under gVisor, where each costs about 12 MiB)")
-    memory: str = Field(default="1g", pattern=r"^\d+(\.\d+)?[bkmgBKMG]?$")
+    memory: str = Field(default="1g", pattern=MEMORY_PATTERN.pattern)
     cpus: PositiveFloat = 1.0
     pids: PositiveInt = 256
     max_log_bytes: PositiveInt = DEFAULT_MAX_LOG_BYTES
@@ -156,10 +167,7 @@ class RewardSpec(_Strict):
         """``memory`` in bytes, as Docker reads it (no unit: bytes). What ``docker.utils.parse_bytes`` does for the
         pattern the field allows, without it: the client reads this for every backend, and importing docker costs
         about 80 ms where no Docker backend is used."""
-        unit = self.memory[-1].lower()
-        if unit in _BYTE_UNITS:
-            return int(float(self.memory[:-1]) * _BYTE_UNITS[unit])
-        return int(float(self.memory))
+        return memory_bytes(self.memory)
 
     @field_validator("args")
     @classmethod

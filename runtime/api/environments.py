@@ -37,7 +37,7 @@ from ..errors import ConfigError, RewardboxError
 from ..report.tool_calls import CALLS
 from ..scoring.client import ScoreReport, call_bytes, checked, too_much
 from ..scoring.replica import Replica
-from ..spec import RewardSpec, Where, parse_config
+from ..spec import MEMORY_PATTERN, RewardSpec, Where, memory_bytes, parse_config
 from ..wire import HARD_TIMEOUT_MARGIN_S, Status, sandbox_slots
 from ..wire.pb import reward_pb2 as pb
 from .dropin import _check_settings, _installs, _spec_name, _validate
@@ -64,11 +64,40 @@ def pids_for(max_episodes: int) -> int:
     return max(256, slots + 2 * max_episodes * MIN_SLOT_PROCESSES + OWN_PROCESSES)
 
 
+# What one episode process takes of its container's memory under runc (measured: about 3.3 MiB prepared, 2.3 more
+# live, beyond its own state), and what the sandbox takes besides: an environment's default memory limit, where the
+# user set none. One set is refused below PROCESS_MIB_AT_LEAST a process (the sandbox could not hold them).
+PROCESS_MIB = 6
+PROCESS_MIB_AT_LEAST = 4
+SANDBOX_MIB = 512
+
+
+def memory_for(max_episodes: int) -> str:
+    """An environment's memory limit where the user set none: its processes (one per live episode, as many prepared
+    ahead: :func:`..wire.sandbox_slots`) and the sandbox's own, at least the default of a reward (1g)."""
+    mib = sandbox_slots("worker", max_episodes, 0, "environment") * PROCESS_MIB + SANDBOX_MIB
+    return f"{max(1024, mib)}m"
+
+
 def _episode_settings(settings: dict, max_episodes: int) -> dict:
     """An environment's reward settings: the user's, with what an environment fixes (one process per episode, as many
-    as ``max_episodes``) and a process limit that fits them where the user set none."""
-    return {"pids": pids_for(max_episodes), **settings, "style": "environment", "isolation": "worker",
-            "workers": max_episodes}
+    as ``max_episodes``), and a process limit and memory limit that fit them where the user set none.
+
+    Raises:
+        ConfigError: the user's ``memory`` cannot hold the episodes' processes.
+    """
+    if "memory" in settings:
+        slots = sandbox_slots("worker", max_episodes, 0, "environment")
+        if not isinstance(settings["memory"], str) or not MEMORY_PATTERN.match(settings["memory"]):
+            raise ConfigError(f"environment memory: {settings['memory']!r} is not a size: write it as Docker "
+                              "does, e.g. 2g or 1536m")
+        if memory_bytes(settings["memory"]) < slots * PROCESS_MIB_AT_LEAST * 2 ** 20:
+            raise ConfigError(f"environment memory: {settings['memory']} cannot hold the processes of "
+                              f"max_episodes={max_episodes} (one per live episode and one prepared ahead for each, "
+                              f"about {PROCESS_MIB} MiB each): set memory to at least {memory_for(max_episodes)}, "
+                              "or lower max_episodes")
+    return {"pids": pids_for(max_episodes), "memory": memory_for(max_episodes), **settings, "style": "environment",
+            "isolation": "worker", "workers": max_episodes}
 
 
 def _environment_class(factory: Any, label: str) -> type:

@@ -342,6 +342,13 @@ _EPISODE: list = []  # style environment: the one instance this process holds (a
 _EPISODE_LOOP: list = []  # and the event loop its async methods run on, kept across its calls
 
 
+def drop_episode() -> None:
+    """Forgets the instance (and event loop) of an episode: a stand-in's, after :func:`.slot.warm_up_episode`."""
+    _EPISODE.clear()
+    while _EPISODE_LOOP:
+        _EPISODE_LOOP.pop().close()
+
+
 def _episode_call(loaded: Loaded, call: dict) -> Any:
     """One call of an episode: ``call`` is {"method": name, "args": {...}} (the host sends only ``reset``,
     ``get_reward`` and the class's public functions). The instance is made by the factory at the episode's first

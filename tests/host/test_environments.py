@@ -159,7 +159,7 @@ def test_reuse_process_keeps_an_instances_process_across_episodes_and_no_other_i
 
 
 def test_a_call_whose_arguments_exceed_the_call_bound_fails_alone_naming_the_bound():
-    with sandboxed_environment(Counter, sandbox=LOCAL, memory="256m") as factory:  # 8 MiB a call
+    with sandboxed_environment(Counter, sandbox=LOCAL, memory="256m", max_episodes=8) as factory:  # 8 MiB a call
         env = factory()
         env.reset()
         with pytest.raises(ToolError, match=r"^fail\(\)'s arguments are 9\.0 MiB, more than one call to environment "
@@ -264,3 +264,16 @@ def test_trls_environment_reward_reaches_the_run_record_with_each_episodes_statu
         == [7.0, -1.0, None]
     assert seen[-1][1].statuses == [Status.OK, Status.TIMEOUT, Status.OK] and seen[-1][1].errors[0] is None
     assert reward_report("Counter", [1.0], [Other()], 0.0).statuses == [Status.OK]
+
+
+def test_an_environments_memory_fits_its_processes_or_is_refused():
+    from rewardbox.api.environments import _episode_settings
+
+    # Where the user sets none: one live and one prepared process of about 6 MiB per episode, and the sandbox's own
+    assert _episode_settings({}, 64)["memory"] == "1280m" and _episode_settings({}, 8)["memory"] == "1024m"
+    assert _episode_settings({"memory": "4g"}, 256)["memory"] == "4g"
+    with pytest.raises(ConfigError, match=r"environment memory: 1g cannot hold the processes of max_episodes=256 "
+                                          r".*set memory to at least 3584m, or lower max_episodes"):
+        _episode_settings({"memory": "1g"}, 256)
+    with pytest.raises(ConfigError, match="'lots' is not a size"):
+        _episode_settings({"memory": "lots"}, 8)
