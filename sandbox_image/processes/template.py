@@ -56,7 +56,7 @@ MIN_RESERVE = 2
 MAX_RESPAWN_DELAY_S = 10.0
 
 
-@dataclass
+@dataclass(eq=False)  # a slot is itself (its identity: in sets, as a key)
 class _Slot:
     spec: slots.SlotSpec
     pid: int = 0
@@ -93,6 +93,13 @@ class Template:
         self.runner: Optional[socket.socket] = None
         self.runner_pid = 0
         self.last_call = 0.0  # style environment: when the last call went to a slot process (see IDLE_RESPAWN_S)
+        # Indexes of self.slots (an environment's may hold a thousand and more): by process, by request in flight,
+        # by the episode each holds; those without a process (but broken ones), those whose episode the host ended.
+        self.by_pid: dict[int, _Slot] = {}
+        self.by_request: dict[int, _Slot] = {}
+        self.holders: dict[str, _Slot] = {}
+        self.vacant: set = set(self.slots)
+        self.ended: set = set()
 
     # -- life ----------------------------------------------------------------------------------------------------
     def _start_runner(self) -> None:
@@ -206,8 +213,8 @@ class Template:
         if not self._may_spawn():
             return None  # what ends the wait (a slot exits or gets ready, a request arrives) wakes the selector
         short = self._short()
-        due = [self._due_at(s, short) for s in self.slots if not s.pid and not s.broken]
-        due += [self._end_due_at(s) for s in self.slots if s.ended_at and s.pid]
+        due = [self._due_at(s, short) for s in self.vacant]
+        due += [self._end_due_at(s) for s in self.ended]
         return max(0.0, min(due) - time.monotonic()) if due else None
 
     def _short(self) -> int:
@@ -215,8 +222,13 @@ class Template:
         lacks; those that are fresh (ready, never served) or being prepared count. 0 for other styles."""
         if not self.episodes:
             return 0
-        supply = sum(1 for s in self.slots if s.pid and not s.retiring and not s.served)
-        return max(0, math.ceil(max(MIN_RESERVE, RESERVE_FRACTION * len(self.slots))) - supply)
+        reserve = math.ceil(max(MIN_RESERVE, RESERVE_FRACTION * len(self.slots)))
+        for s in self.slots:
+            if s.pid and not s.retiring and not s.served:
+                reserve -= 1
+                if not reserve:
+                    break
+        return reserve
 
     def _due_at(self, s: _Slot, short: int) -> float:
         """When slot ``s`` (its process gone) gets its next one: see IDLE_RESPAWN_S for an environment's."""
@@ -231,15 +243,14 @@ class Template:
     def _end_due(self) -> None:
         """Kills the stopped processes of ended episodes that are due, and as many more (the longest ended first)
         as the reserve lacks beyond the slots already waiting for their next process (see IDLE_RESPAWN_S)."""
-        ended = [s for s in self.slots if s.ended_at and s.pid]
-        if not ended:
+        if not self.ended:
             return
         now = time.monotonic()
-        waiting = sum(1 for s in self.slots if not s.pid and not s.broken)
-        extra = max(0, self._short() - waiting)
-        for k, s in enumerate(sorted(ended, key=lambda s: s.ended_at)):
+        extra = max(0, self._short() - len(self.vacant))
+        for k, s in enumerate(sorted(self.ended, key=lambda s: s.ended_at)):
             if k < extra or self._end_due_at(s) <= now:
                 s.ended_at = 0.0
+                self.ended.discard(s)
                 try:
                     os.kill(s.pid, signal.SIGKILL)
                 except OSError:
@@ -296,6 +307,8 @@ class Template:
         if run_end is not None:
             run_end.close()
         s.pid, s.control, s.ready = pid, parent_end, False
+        self.by_pid[pid] = s
+        self.vacant.discard(s)
         self.selector.register(parent_end, selectors.EVENT_READ, s)
 
     def _ready(self, s: _Slot) -> None:
@@ -324,7 +337,7 @@ class Template:
 
     def _reap(self) -> None:
         for pid, status in tree.exited_children():
-            s = next((s for s in self.slots if s.pid == pid), None)
+            s = self.by_pid.get(pid)
             if s is not None:
                 self._ended(s, status)
 
@@ -336,6 +349,12 @@ class Template:
                 pass
         for request in sorted(s.requests):
             send(self.server, {"op": "exited", "req": request, "status": tree.describe_status(status)})
+            self.by_request.pop(request, None)
+        self.by_pid.pop(s.pid, None)
+        if s.episode is not None and self.holders.get(s.episode) is s:
+            del self.holders[s.episode]
+        self.ended.discard(s)
+        self.vacant.add(s)
         served = bool(s.requests) or s.ready or s.served
         if s.control is not None:
             if s.control.fileno() in self.selector.get_map():
@@ -348,6 +367,7 @@ class Template:
             s.setup_failures += 1
             if s.setup_failures >= MAX_SETUP_FAILURES:
                 s.broken = True
+                self.vacant.discard(s)
                 why = s.last_failure or f"its process died before it was ready ({tree.describe_status(status)})"
                 send(self.server, {"op": "slot_failed", "slot": s.spec.index, "reason": why})
                 return
@@ -360,7 +380,7 @@ class Template:
             return
         now = time.monotonic()
         short = self._short()
-        s = next((s for s in self.slots if not s.pid and not s.broken and self._due_at(s, short) <= now), None)
+        s = next((s for s in self.vacant if self._due_at(s, short) <= now), None)
         if s is not None:
             self._spawn(s)
 
@@ -385,37 +405,45 @@ class Template:
             if fd is not None:
                 self.queue.append((request, fd, message.get("episode"), bool(message.get("start"))))
         elif op == "end":  # the host is done with an episode: its process goes, and a fresh one is prepared
-            for s in self.slots:
-                if self.episodes and s.episode is not None and s.episode == message.get("episode") and s.pid:
-                    s.retiring, s.ended_at = True, time.monotonic()
-                    try:  # killed once calls pause (IDLE_RESPAWN_S)
-                        os.kill(s.pid, signal.SIGSTOP)
-                    except OSError:
-                        pass
+            s = self.holders.pop(message.get("episode"), None) if self.episodes else None
+            if s is not None:
+                self._end_episode(s)
         elif op == "done":  # the server read the request's answer; ``retire``: the process must not serve again
             # Or it gave up on it while it waited here for a process (its caller went away): it never runs (an
             # episode it would start would hold a process no one ends).
             for entry in [e for e in self.queue if e[0] == request]:
                 self.queue.remove(entry)
                 os.close(entry[1])
-            for s in self.slots:
-                if request in s.requests:
-                    s.requests.discard(request)
-                    if message.get("retire") and s.pid:
-                        s.retiring = True
-                        try:
-                            os.kill(s.pid, signal.SIGKILL)
-                        except OSError:
-                            pass
-        elif op == "kill":
-            for s in self.slots:
-                if request in s.requests and s.pid:
+            s = self.by_request.pop(request, None)
+            if s is not None:
+                s.requests.discard(request)
+                if message.get("retire") and s.pid:
+                    s.retiring = True
                     try:
                         os.kill(s.pid, signal.SIGKILL)
                     except OSError:
                         pass
+        elif op == "kill":
+            s = self.by_request.get(request)
+            if s is not None and s.pid:
+                try:
+                    os.kill(s.pid, signal.SIGKILL)
+                except OSError:
+                    pass
         elif op == "close":
             self.closing = True
+
+    def _end_episode(self, s: _Slot) -> None:
+        """The episode slot ``s`` holds is over: its process is stopped now and killed once calls pause
+        (IDLE_RESPAWN_S)."""
+        if not s.pid or s.ended_at:
+            return
+        s.retiring, s.ended_at = True, time.monotonic()
+        self.ended.add(s)
+        try:
+            os.kill(s.pid, signal.SIGSTOP)
+        except OSError:
+            pass
 
     def _free_slot(self) -> Optional[_Slot]:
         candidates = [s for s in self.slots if s.ready and s.pid and not s.retiring]
@@ -432,11 +460,9 @@ class Template:
         slot); any other goes to the process holding its episode once that one is idle. An episode no process holds
         (its process died or was ended) is gone: its calls fail until the host starts another."""
         if start:
-            fresh = [s for s in self.slots if s.ready and s.pid and not s.retiring and not s.served]
-            return (fresh[0] if fresh else None), False
-        holder = next((s for s in self.slots if s.episode is not None and s.episode == episode and s.pid
-                       and not s.retiring), None)
-        if holder is None:
+            return next((s for s in self.slots if s.ready and s.pid and not s.retiring and not s.served), None), False
+        holder = self.holders.get(episode) if episode is not None else None
+        if holder is None or not holder.pid or holder.retiring:
             return None, True
         return (holder if holder.ready and not holder.requests else None), False
 
@@ -463,10 +489,15 @@ class Template:
                 continue
             os.close(fd)
             s.requests.add(request)
+            self.by_request[request] = s
             s.served = True
             self.last_call = time.monotonic()
             if start:
+                earlier = self.holders.get(episode)
+                if earlier is not None:  # one process per episode id: a second start of it ends the first
+                    self._end_episode(earlier)
                 s.episode = episode
+                self.holders[episode] = s
         self.queue = waiting
 
     def _dispatch(self) -> None:
@@ -487,6 +518,7 @@ class Template:
                 continue
             os.close(fd)
             s.requests.add(request)
+            self.by_request[request] = s
             s.served = True
             if self.one_request:
                 s.ready = False
