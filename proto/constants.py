@@ -41,10 +41,13 @@ def sandbox_slots(isolation: str, workers: int, warm: int, style: str = "") -> i
     processes for ``isolation: sample`` and ``process`` (at least ``workers``), one per worker for ``isolation: worker``;
     for an environment (``workers``: its live episodes at most), one per live episode and as many prepared ahead, so
     that TRL's resets of a whole batch, one after another, each find a process ready (each reset's end of the last
-    episode frees one, prepared again while the batch generates). A sandbox has room for two versions at once, as a
-    reload's new version starts while the old one finishes."""
+    episode frees one, prepared again while the batch generates); for a tool (but under ``isolation: worker``), whose
+    every call takes a process prepared for it alone, ``warm`` and one per worker. A sandbox has room for two versions at once,
+    as a reload's new version starts while the old one finishes."""
     if style == "environment":
         return 2 * workers
+    if style == "tool" and isolation != "worker":  # ``warm`` processes prepared for the next calls, and the running
+        return max(workers, warm) + workers
     return workers if isolation == "worker" else max(workers, warm)
 
 # The release, reported by every sandbox server (Describe) and the host package alike.

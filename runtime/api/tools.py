@@ -5,7 +5,7 @@
 
 TRL calls a tool in the trainer's own process with the arguments the model wrote. Here each tool is shipped by value
 into a sandbox (as :func:`rewardbox.sandboxed` ships rewards), and each call runs there as one sample of a
-``tool``-style function: under the default ``isolation: sample`` in a process forked for that call alone, so nothing
+``tool``-style function: under the default ``isolation: sample`` in a process prepared for that call alone, so nothing
 one call does (files, processes, module state) reaches another, with the reward settings' limits, timeout and
 retries of transient sandbox failures.
 

@@ -328,19 +328,23 @@ def warm_up(loaded: worker.Loaded) -> None:
         codec.encode_result(outcomes, logs, dropped, loaded.config.max_log_bytes, 0.0)
 
 
-def warm_up_episode(loaded: worker.Loaded) -> None:
-    """Style environment, in a slot process once prepared, before its ready byte: serves one call (the request's
-    socket, its decoding, the call, the answer: :func:`_handle`) to a stand-in for the environment, whose instance it
-    then drops. The pages that path writes are then this process's own when the episode's first call (its reset)
-    comes: each would be a fault on the reset's path, a copy of the template's page (about a millisecond in all,
-    measured). No code of the environment runs here."""
+def warm_up_call(loaded: worker.Loaded) -> None:
+    """Style environment and isolation "call" (a tool's), in a slot process once prepared, before its ready byte:
+    serves one call (the request's socket, its decoding, the call, the answer: :func:`_handle`) to a stand-in for
+    the environment (whose instance it then drops) or the tool. The pages that path writes are then this process's
+    own when its first real call (an episode's reset, a tool's call) comes: each would be a fault on that call's
+    path, a copy of the template's page (about a millisecond in all, measured). No code of the user's runs here."""
 
     class StandIn:
         def reset(self, **kwargs: Any) -> None:
             return None
 
-    stub = worker.Loaded(fn=StandIn, info=loaded.info, config=loaded.config)
-    call = json.dumps({"method": "reset", "args": {}})
+    def stand_in(**kwargs: Any) -> str:
+        return ""
+
+    environment = loaded.config.style == "environment"
+    stub = worker.Loaded(fn=StandIn if environment else stand_in, info=loaded.info, config=loaded.config)
+    call = json.dumps({"method": "reset", "args": {}} if environment else {})
     one = codec.encode_request(SampleBatch([""], [""], [call], [""], [""], None), 1.0, None)
     ours, theirs = socket.socketpair()
     try:
@@ -539,8 +543,9 @@ def run(loaded: worker.Loaded, slot: SlotSpec, control: socket.socket, mode: str
                                    scratch=private_tmp.home(slot.private_tmp, slot.directory),
                                    unix_sockets=sockets.UnixSockets(slot.uid))
         else:
-            if loaded.config.style == "environment" and mode == "worker" and not loaded.info.is_async:
-                warm_up_episode(loaded)
+            if (loaded.config.style == "environment" or loaded.config.isolation == "call") and mode == "worker" \
+                    and not loaded.info.is_async:
+                warm_up_call(loaded)
             import_effects.give_back()  # reward code runs in this process from here on
         serve(loaded, control, mode, mark, forker)
     except BaseException:  # noqa: BLE001 - reward code ran in this process: nothing it says is reported

@@ -87,6 +87,12 @@ class Template:
         self.queue: collections.deque = collections.deque()  # (request id, fd, episode or None, starts it)
         # Style environment: each slot process holds one episode, for its life; an episode's calls go to it alone.
         self.episodes = config.style == "environment"
+        # Isolation "call" (a tool's, server._isolation): each call takes a slot process that never served, which is
+        # ended once its call is done; its slot processes serve as under isolation: worker.
+        self.per_call = self.mode == "call"
+        # Both hold each process for one use, prepared ahead of it: ended ones go, and the next are prepared, when
+        # calls pause (IDLE_RESPAWN_S).
+        self.prepared = self.episodes or self.per_call
         self.selector = selectors.DefaultSelector()
         self.loaded: Optional[worker.Loaded] = None
         self.closing = False
@@ -179,7 +185,7 @@ class Template:
                     self._ready(key.data)
             self._reap()
             self._dispatch()  # requests first: a fork costs the template about a millisecond
-            if self.episodes:
+            if self.prepared:
                 self._end_due()
             self._respawn_due()
         self._kill_all()
@@ -220,7 +226,7 @@ class Template:
     def _short(self) -> int:
         """Style environment: how many processes the reserve (RESERVE_FRACTION of the slots, at least MIN_RESERVE)
         lacks; those that are fresh (ready, never served) or being prepared count. 0 for other styles."""
-        if not self.episodes:
+        if not self.prepared:
             return 0
         reserve = math.ceil(max(MIN_RESERVE, RESERVE_FRACTION * len(self.slots)))
         for s in self.slots:
@@ -232,7 +238,7 @@ class Template:
 
     def _due_at(self, s: _Slot, short: int) -> float:
         """When slot ``s`` (its process gone) gets its next one: see IDLE_RESPAWN_S for an environment's."""
-        if not self.episodes or not s.cleaned or short:
+        if not self.prepared or not s.cleaned or short:
             return s.respawn_at
         return max(s.respawn_at, min(self.last_call + IDLE_RESPAWN_S, s.respawn_at + MAX_RESPAWN_DELAY_S))
 
@@ -302,7 +308,8 @@ class Template:
         if pid == 0:
             parent_end.close()
             assert self.loaded is not None  # loaded before any slot is spawned
-            slots.run(self.loaded, s.spec, child_end, self.mode, run_end)  # never returns
+            slots.run(self.loaded, s.spec, child_end, "worker" if self.per_call else self.mode,
+                      run_end)  # never returns
         child_end.close()
         if run_end is not None:
             run_end.close()
@@ -423,6 +430,8 @@ class Template:
                         os.kill(s.pid, signal.SIGKILL)
                     except OSError:
                         pass
+                elif self.per_call:  # its one call is done
+                    self._end_episode(s)
         elif op == "kill":
             s = self.by_request.get(request)
             if s is not None and s.pid:
@@ -434,8 +443,8 @@ class Template:
             self.closing = True
 
     def _end_episode(self, s: _Slot) -> None:
-        """The episode slot ``s`` holds is over: its process is stopped now and killed once calls pause
-        (IDLE_RESPAWN_S)."""
+        """The episode slot ``s`` holds (or its one call) is over: its process is stopped now and killed once calls
+        pause (IDLE_RESPAWN_S)."""
         if not s.pid or s.ended_at:
             return
         s.retiring, s.ended_at = True, time.monotonic()
@@ -467,9 +476,11 @@ class Template:
         return (holder if holder.ready and not holder.requests else None), False
 
     def _dispatch_episodes(self) -> None:
+        """Style environment, and isolation "call" (where every call starts in a process of its own)."""
         waiting: collections.deque = collections.deque()
         while self.queue:
             request, fd, episode, start = entry = self.queue.popleft()
+            start = start or self.per_call
             s, gone = self._slot_for(episode, start)
             if gone:  # the server reads the end of the socket, and why
                 send(self.server, {"op": "exited", "req": request, "status": "the process that held its episode "
@@ -492,7 +503,7 @@ class Template:
             self.by_request[request] = s
             s.served = True
             self.last_call = time.monotonic()
-            if start:
+            if start and episode is not None:
                 earlier = self.holders.get(episode)
                 if earlier is not None:  # one process per episode id: a second start of it ends the first
                     self._end_episode(earlier)
@@ -501,7 +512,7 @@ class Template:
         self.queue = waiting
 
     def _dispatch(self) -> None:
-        if self.episodes:
+        if self.prepared:
             self._dispatch_episodes()
             return
         while self.queue:

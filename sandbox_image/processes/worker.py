@@ -343,7 +343,7 @@ _EPISODE_LOOP: list = []  # and the event loop its async methods run on, kept ac
 
 
 def drop_episode() -> None:
-    """Forgets the instance (and event loop) of an episode: a stand-in's, after :func:`.slot.warm_up_episode`."""
+    """Forgets the instance (and event loop) of an episode: a stand-in's, after :func:`.slot.warm_up_call`."""
     _EPISODE.clear()
     while _EPISODE_LOOP:
         _EPISODE_LOOP.pop().close()

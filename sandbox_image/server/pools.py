@@ -57,6 +57,11 @@ class _Exit:
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+# Isolations whose slot processes answer a request whole (:func:`..processes.slot._handle`), not streamed: "worker",
+# and a tool's "call" (a process prepared for one call, which its template ends after it: server._isolation).
+WORKER_ANSWERS = ("worker", "call")
+
+
 def _hung_or_crashed(done: Optional[ChunkResult], failed: Optional[Outcome]):
     """A batch-style call whose answer times out every sample hung (its own soft timeout answered): the same as a
     worker killed at its deadline. One whose answer is a crash for every sample died (a forked call's child: its
@@ -333,10 +338,11 @@ class FunctionPool:
             state_dict = None if state is None else dict(vars(state))
             if self.style == "batch":
                 return await self._score_call(batch, timeout_s, state_dict)
-            if self.config.isolation != "worker":
+            if self.config.isolation not in WORKER_ANSWERS:
                 return await self._score_streamed(batch, timeout_s, state_dict)
             else:
-                k = min(self.config.workers, len(batch))
+                # "call": each call in a process of its own (a request each); "worker": a chunk per worker
+                k = len(batch) if self.config.isolation == "call" else min(self.config.workers, len(batch))
                 bounds = [round(i * len(batch) / k) for i in range(k + 1)]
                 parts = [batch.slice(a, b) for a, b in zip(bounds, bounds[1:])]
             merged = BatchResult()
@@ -569,7 +575,7 @@ class FunctionPool:
         Raises:
             PoolUnavailable: the template is gone (nothing started), so the caller can retry elsewhere.
         """
-        if self.config.isolation == "worker":
+        if self.config.isolation in WORKER_ANSWERS:
             return await self._send(batch, timeout_s, state, self._exchange)
         streamed = await self._request_streamed(batch, timeout_s, state, units=1)
         return (streamed.answered[0], None) if streamed.answered else (None, streamed.failed)
@@ -606,7 +612,8 @@ class FunctionPool:
             retire = True
             try:
                 answer = await exchange(ours, request, batch, timeout_s, state)
-                retire = getattr(answer, "retired", self.config.isolation != "worker")
+                # A "call" process is ended by its template once its call is done (unless retired: at once)
+                retire = getattr(answer, "retired", self.config.isolation not in WORKER_ANSWERS)
                 return answer
             finally:
                 ours.close()

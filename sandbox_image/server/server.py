@@ -77,14 +77,23 @@ def _config(fn: pb.FunctionSource, default_warm: int) -> WorkerConfig:
         source=fn.source,
         function=fn.function or fn.name,
         style=STYLE_NAMES[fn.style],
-        # An environment's slot process holds one episode and serves its calls (then it is ended: template.py)
-        isolation="worker" if fn.style == pb.STYLE_ENVIRONMENT else _ISOLATION_NAMES.get(fn.isolation, "sample"),
+        isolation=_isolation(fn),
         workers=fn.workers or DEFAULT_WORKERS,
         concurrency=fn.concurrency or DEFAULT_CONCURRENCY,
         max_log_bytes=fn.max_log_bytes or DEFAULT_MAX_LOG_BYTES,
         warm=fn.warm or default_warm,
         args_json=fn.args_json,
     )
+
+
+def _isolation(fn: pb.FunctionSource) -> str:
+    """How the template runs the function: an environment's slot process holds one episode and serves its calls
+    (then it is ended: template.py); a tool's call (but under isolation: worker) takes a slot process prepared
+    ahead for it alone, ended after its answer ("call"); a reward's as its isolation says."""
+    if fn.style == pb.STYLE_ENVIRONMENT:
+        return "worker"
+    isolation = _ISOLATION_NAMES.get(fn.isolation, "sample")
+    return "call" if fn.style == pb.STYLE_TOOL and isolation != "worker" else isolation
 
 
 class Supervisor:

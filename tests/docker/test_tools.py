@@ -177,22 +177,19 @@ def run_code(code: str) -> object:
     return namespace.get("result")
 
 
-# A call that writes an answer of its own into the mapping its slot process reads (found through gc), writes the
-# done byte and exits: the answer format's checks, and the host's, are all that stand between it and the trainer.
+# A call that writes an answer of its own where its process's answer goes and exits: the answer format's checks, and
+# the host's, are all that stand between it and the trainer.
 FORGE = r'''
-import gc, mmap, os, struct
+import os, sys
 from rewardbox.sandbox.protocol import codec
-from rewardbox.sandbox.protocol.stream import ChildMarker
-answer = [m for m in gc.get_objects() if isinstance(m, mmap.mmap) and not m.closed and len(m) > 200000][0]
+# A call's process answers on its request's socket, after the start byte its serving code wrote (found in that
+# code's frame): a forged answer there is what the sandbox's server reads.
+frame = sys._getframe()
+while frame.f_code.co_name != "_handle":
+    frame = frame.f_back
+request = frame.f_locals["sock"]
 body = codec._HEADER.pack(codec.MAGIC, 1, 0, 0) + codec._SAMPLE.pack(STATUS, HAS, 0.0, len(TEXT), 0.0) + TEXT
-answer[:4] = struct.pack("<I", len(body))
-answer[4:4 + len(body)] = body
-for fd in os.listdir("/proc/self/fd"):
-    try:
-        if os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:"):
-            os.write(int(fd), ChildMarker.DONE)
-    except OSError:
-        pass
+request.sendall(body)
 os._exit(0)
 '''
 
