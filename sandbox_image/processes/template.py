@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..confine import private_memory, private_tmp, seccomp
+from ..memory import sockets
 from ..programs import runner as runner_module
 from ..programs.program import RunSlot
 from ..protocol.channel import ChannelClosed, optional_fd, pair, recv, send
@@ -43,13 +44,15 @@ from . import worker
 # A slot process that dies before it is ready this many times in a row is reported and no longer respawned.
 MAX_SETUP_FAILURES = 3
 RESPAWN_BACKOFF_S = 0.05
-# Style environment: the process of an episode the host ended is stopped at once (SIGSTOP) and killed, and its slot
-# gets its next process, once no call came for IDLE_RESPAWN_S (TRL resets a whole batch's instances one after
-# another, then generates for seconds: a process's end and the start of the next cost several resets' CPU, spent
-# then and not in the burst's way); at once where the slots holding a fresh process are down to a reserve
-# (RESERVE_FRACTION of them, at least MIN_RESERVE); and MAX_RESPAWN_DELAY_S after the end at the latest. Until then
-# what that episode's own processes left under its uid lives on, alone with its uid, and its memory stays taken.
-# Half the slots are spares (sandbox_slots): a batch's resets fit in them.
+# Style environment and isolation "call": each process serves one episode (or one call) and is killed when it ends.
+# What it left (processes: the template is their subreaper; Unix sockets open or in flight, which can hold a port or
+# a socket's name) is looked for once it is reaped: where anything is, its slot's next process (which kills and
+# frees all of its uid's) is started at once; where nothing is, that start waits until no call came for
+# IDLE_RESPAWN_S (TRL resets a whole batch's instances, and calls a turn's tools, one after another, then generates:
+# a process's start costs several calls' CPU, spent then and not in the burst's way), or the slots holding a fresh
+# process are down to a reserve (RESERVE_FRACTION of them, at least MIN_RESERVE), or MAX_RESPAWN_DELAY_S passed.
+# No episode or call starts while a process that ended is not yet known to have left nothing (see _cleaning).
+# Half an environment's slots are spares (sandbox_slots): a batch's resets fit in them.
 IDLE_RESPAWN_S = 0.05
 RESERVE_FRACTION = 1 / 32
 MIN_RESERVE = 2
@@ -71,7 +74,7 @@ class _Slot:
     cleaned: bool = False  # a process of this template got ready in this slot: it had cleaned up after the uid
     served: bool = False  # its current process was given a request (a process that serves one is not "ready")
     episode: Optional[str] = None  # style environment: the episode its current process holds
-    ended_at: float = 0.0  # style environment: when the host ended the episode it holds (its process is stopped)
+    urgent: bool = False  # its last process left something behind: its next one is started at once
 
 
 class Template:
@@ -105,7 +108,10 @@ class Template:
         self.by_request: dict[int, _Slot] = {}
         self.holders: dict[str, _Slot] = {}
         self.vacant: set = set(self.slots)
-        self.ended: set = set()
+        # Prepared (environment, "call"): slots whose process ended and is not yet known to have left nothing (it is
+        # not reaped yet, or its leftovers are not yet killed by the slot's next process): no start is dispatched.
+        self.cleaning: set = set()
+        self.unix_sockets: Optional[sockets.UnixSockets] = None  # for what a process left (see _left_behind)
 
     # -- life ----------------------------------------------------------------------------------------------------
     def _start_runner(self) -> None:
@@ -185,8 +191,6 @@ class Template:
                     self._ready(key.data)
             self._reap()
             self._dispatch()  # requests first: a fork costs the template about a millisecond
-            if self.prepared:
-                self._end_due()
             self._respawn_due()
         self._kill_all()
 
@@ -220,7 +224,6 @@ class Template:
             return None  # what ends the wait (a slot exits or gets ready, a request arrives) wakes the selector
         short = self._short()
         due = [self._due_at(s, short) for s in self.vacant]
-        due += [self._end_due_at(s) for s in self.ended]
         return max(0.0, min(due) - time.monotonic()) if due else None
 
     def _short(self) -> int:
@@ -238,29 +241,9 @@ class Template:
 
     def _due_at(self, s: _Slot, short: int) -> float:
         """When slot ``s`` (its process gone) gets its next one: see IDLE_RESPAWN_S for an environment's."""
-        if not self.prepared or not s.cleaned or short:
+        if not self.prepared or not s.cleaned or short or s.urgent:
             return s.respawn_at
         return max(s.respawn_at, min(self.last_call + IDLE_RESPAWN_S, s.respawn_at + MAX_RESPAWN_DELAY_S))
-
-    def _end_due_at(self, s: _Slot) -> float:
-        """When the stopped process of slot ``s``, whose episode the host ended, is killed (see IDLE_RESPAWN_S)."""
-        return min(max(s.ended_at, self.last_call + IDLE_RESPAWN_S), s.ended_at + MAX_RESPAWN_DELAY_S)
-
-    def _end_due(self) -> None:
-        """Kills the stopped processes of ended episodes that are due, and as many more (the longest ended first)
-        as the reserve lacks beyond the slots already waiting for their next process (see IDLE_RESPAWN_S)."""
-        if not self.ended:
-            return
-        now = time.monotonic()
-        extra = max(0, self._short() - len(self.vacant))
-        for k, s in enumerate(sorted(self.ended, key=lambda s: s.ended_at)):
-            if k < extra or self._end_due_at(s) <= now:
-                s.ended_at = 0.0
-                self.ended.discard(s)
-                try:
-                    os.kill(s.pid, signal.SIGKILL)
-                except OSError:
-                    pass
 
     def _may_spawn(self) -> bool:
         """Whether to fork slot processes now: always, but while closing. A slot's next process is what cleans up
@@ -337,6 +320,8 @@ class Template:
             (mark,) = slots._MARK.unpack(message[1:])
             s.spec = dataclasses.replace(s.spec, ipc_mark=mark)
             s.ready, s.setup_failures, s.cleaned = True, 0, True
+            s.urgent = False
+            self.cleaning.discard(s)  # it killed what the uid's last process left
             # From here on reward code may run in that process: nothing it writes is read.
             s.control.shutdown(socket.SHUT_RD)
         elif message[:1] == slots.FAILED:
@@ -360,8 +345,13 @@ class Template:
         self.by_pid.pop(s.pid, None)
         if s.episode is not None and self.holders.get(s.episode) is s:
             del self.holders[s.episode]
-        self.ended.discard(s)
         self.vacant.add(s)
+        if self.prepared and (s.served or s in self.cleaning):
+            s.urgent = self._left_behind(s)
+            if not s.urgent:
+                self.cleaning.discard(s)
+            else:
+                self.cleaning.add(s)
         served = bool(s.requests) or s.ready or s.served
         if s.control is not None:
             if s.control.fileno() in self.selector.get_map():
@@ -369,7 +359,6 @@ class Template:
             s.control.close()
         s.pid, s.control, s.ready, s.retiring, s.requests, s.served = 0, None, False, False, set(), False
         s.episode = None  # its episode, if any, is gone with it: its later calls fail (_slot_for)
-        s.ended_at = 0.0
         if not served:
             s.setup_failures += 1
             if s.setup_failures >= MAX_SETUP_FAILURES:
@@ -443,16 +432,43 @@ class Template:
             self.closing = True
 
     def _end_episode(self, s: _Slot) -> None:
-        """The episode slot ``s`` holds (or its one call) is over: its process is stopped now and killed once calls
-        pause (IDLE_RESPAWN_S)."""
-        if not s.pid or s.ended_at:
+        """The episode slot ``s`` holds (or its one call) is over: its process is killed, and no episode or call
+        starts until it is reaped and found to have left nothing (:meth:`_left_behind`)."""
+        if not s.pid:
             return
-        s.retiring, s.ended_at = True, time.monotonic()
-        self.ended.add(s)
+        s.retiring = True
+        self.cleaning.add(s)
         try:
-            os.kill(s.pid, signal.SIGSTOP)
+            os.kill(s.pid, signal.SIGKILL)
         except OSError:
             pass
+
+    def _left_behind(self, s: _Slot) -> bool:
+        """Whether the process of slot ``s`` that was just reaped may have left something of its uid: a process (its
+        orphans are this template's children now: it is their subreaper), or a Unix socket (open in such a process,
+        or in flight, which may hold a TCP port or a socket's name). Always where the kernel cannot tell (gVisor:
+        no atomic kill(-1), no sock_diag)."""
+        uid = s.spec.uid
+        if uid is None or not s.spec.atomic_kill:
+            return uid is not None
+        found = tree.children()
+        if found is None:
+            return True
+        known = set(self.by_pid) | {self.runner_pid}
+        for pid in found - known:
+            try:
+                with open(f"/proc/{pid}/status", "rb") as f:
+                    if b"\nUid:\t%d\t" % uid in f.read():
+                        return True
+            except OSError:
+                continue  # gone (and reaped by the next _reap)
+        if self.unix_sockets is None:
+            self.unix_sockets = sockets.UnixSockets(uid)
+        self.unix_sockets.uid = uid  # one sock_diag socket, for each slot's uid in turn
+        try:
+            return self.unix_sockets.listed() != set()
+        except OSError:
+            return True
 
     def _free_slot(self) -> Optional[_Slot]:
         candidates = [s for s in self.slots if s.ready and s.pid and not s.retiring]
@@ -481,6 +497,9 @@ class Template:
         while self.queue:
             request, fd, episode, start = entry = self.queue.popleft()
             start = start or self.per_call
+            if start and self.cleaning:  # a process that ended may have left something: nothing starts beside it
+                waiting.append(entry)
+                continue
             s, gone = self._slot_for(episode, start)
             if gone:  # the server reads the end of the socket, and why
                 send(self.server, {"op": "exited", "req": request, "status": "the process that held its episode "

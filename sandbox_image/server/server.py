@@ -235,9 +235,11 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
         # died) answers what is in flight UNAVAILABLE, which the host scores again elsewhere, rather than waiting
         # for processes that will not run again, or reporting their end as the samples' own crash.
         if fp.style == "environment":
+            # The instance's last episode ends first: nothing of it may live beside the one it starts (its template
+            # starts no episode before the ended process is gone and found to have left nothing).
+            if request.episode_end:
+                fp.end_episode(request.episode_end)
             if not samples:  # only the end of an episode
-                if request.episode_end:
-                    fp.end_episode(request.episode_end)
                 return pb.ScoreResponse()
             if len(samples) != 1 or not request.episode:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an environment's request is one call of one "
@@ -245,13 +247,7 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
             work = fp.call_episode(batch, request.timeout_s, request.episode, request.episode_start)
         else:
             work = fp.score(batch, request.timeout_s, state)
-        try:
-            return await self._answer(fp, request, work, context, started)
-        finally:
-            # The last episode of a reset's instance ends once the new one's start is answered: its process's end
-            # (and the preparing of the process that takes its place) is then off the path the reset waits on.
-            if fp.style == "environment" and request.episode_end:
-                fp.end_episode(request.episode_end)
+        return await self._answer(fp, request, work, context, started)
 
     async def _answer(self, fp: FunctionPool, request: pb.ScoreRequest, work, context: grpc.aio.ServicerContext,
                       started: float) -> pb.ScoreResponse:

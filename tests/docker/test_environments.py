@@ -186,9 +186,10 @@ def _until(check, timeout_s: float = 30.0):
         time.sleep(0.05)
 
 
-def test_an_ended_episodes_process_stops_at_once_and_goes_once_calls_pause(docker_client, base_image):
-    """TRL resets a batch's instances one after another: the processes of the episodes they end are stopped at once
-    (nothing of them runs on) and killed, their slots prepared again, once calls pause, not in the burst's way."""
+def test_an_ended_episodes_process_goes_at_once_and_its_slot_is_prepared_once_calls_pause(docker_client, base_image):
+    """TRL resets a batch's instances one after another: the processes of the episodes they end are killed at once,
+    and their slots prepared again (a process's start costs several resets' CPU) once calls pause, not in the
+    burst's way, where they left nothing behind."""
     import threading
     import time
 
@@ -215,8 +216,8 @@ def test_an_ended_episodes_process_stops_at_once_and_goes_once_calls_pause(docke
         caller = threading.Thread(target=calls)
         caller.start()
         try:
-            # Two resets leave MIN_RESERVE (2) fresh processes: a third would have one of the two killed and its
-            # slot prepared again at once, for the reserve.
+            # Two resets leave MIN_RESERVE (2) fresh processes: a third would have a slot prepared again at once,
+            # for the reserve.
             assert MIN_RESERVE == 2
             for env in envs[1:3]:
                 env.reset()
@@ -225,7 +226,41 @@ def test_an_ended_episodes_process_stops_at_once_and_goes_once_calls_pause(docke
         finally:
             busy.set()
             caller.join()
-        assert states.count("T") == 2 and len(states) == 8, states  # stopped, none started in their place
+        assert sorted(states) == ["S"] * 6, states  # the two ended are gone, none started in their place yet
         assert [asyncio.run(env.add(n=2)) for env in envs[1:3]] == [2, 2]  # the new episodes, fresh
-        # Once calls pause: the two are gone and their slots hold fresh processes again.
+        # Once calls pause, their slots hold fresh processes again.
         _until(lambda: sorted(_slot_states(container.id)) == ["S"] * 8, timeout_s=10.0)
+
+
+class Listener:
+    """An environment whose episodes try what the one before left on the loopback network (red team of #41)."""
+
+    def reset(self, **kwargs) -> None:
+        pass
+
+    def run(self, code: str) -> str:
+        """Runs code.
+
+        Args:
+            code: python
+        """
+        namespace: dict = {}
+        exec(code, namespace)
+        return namespace.get("result")
+
+
+def test_what_an_ended_episode_left_on_the_network_reaches_no_later_episode(docker_client, base_image):
+    from tests.docker.test_tools import LEAVE_A_LISTENER, LOOK_FOR_A_LISTENER, NOTHING_LEFT
+
+    sandbox = {"backend": "docker", "docker": {"base_image": base_image}}
+    with sandboxed_environment(Listener, sandbox=sandbox, max_episodes=4) as factory:
+        envs = [factory() for _ in range(4)]
+        for env in envs:
+            env.reset()
+        assert asyncio.run(envs[0].run(code=LEAVE_A_LISTENER)) == "left"
+        seen = []
+        for _ in range(10):  # back to back: no pause in which the sandbox would prepare processes anyway
+            for env in envs:
+                env.reset()  # the hostile episode's own instance first
+                seen.append(asyncio.run(env.run(code=LOOK_FOR_A_LISTENER)))
+        assert seen == [NOTHING_LEFT] * 40, [r for r in seen if r != NOTHING_LEFT][:3]

@@ -253,3 +253,62 @@ def test_calls_queued_behind_slow_ones_wait_their_turn_instead_of_failing(code_t
     odd = [str(r) for r in results[:30] if not (isinstance(r, ToolError) and r.status is Status.TIMEOUT)]
     assert not odd, odd
     assert results[30:] == list(range(10))
+
+
+# A hostile call that leaves a daemon listening on a loopback port and on an abstract Unix socket name, and returns
+# at once; and what an innocent finds alone (red team of #41: innocents called back to back after it found the port
+# taken and the daemon answering, until its slot was next prepared).
+LEAVE_A_LISTENER = r'''
+import os, socket
+tcp = socket.socket()
+tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+tcp.bind(("127.0.0.1", 45678))
+tcp.listen(8)
+named = socket.socket(socket.AF_UNIX)
+named.bind("\0rbx-innocent")
+named.listen(8)
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        while True:
+            c, _ = tcp.accept()
+            c.sendall(b"EVIL")
+            c.close()
+    os._exit(0)
+result = "left"
+'''
+LOOK_FOR_A_LISTENER = r'''
+import socket
+found = []
+s = socket.socket()
+try:
+    s.bind(("127.0.0.1", 45678))
+    found.append("bind ok")
+except OSError as e:
+    found.append(f"bind failed: {e}")
+s.close()
+try:
+    found.append(f"connect got {socket.create_connection(('127.0.0.1', 45678), 1).recv(4)!r}")
+except OSError as e:
+    found.append(f"connect: {type(e).__name__}")
+u = socket.socket(socket.AF_UNIX)
+try:
+    u.bind("\0rbx-innocent")
+    found.append("abstract bind ok")
+except OSError as e:
+    found.append(f"abstract bind failed: {e}")
+u.close()
+result = repr(found)
+'''
+NOTHING_LEFT = repr(["bind ok", "connect: ConnectionRefusedError", "abstract bind ok"])
+
+
+def test_what_a_call_left_on_the_network_reaches_no_later_call(code_tool):
+    assert asyncio.run(code_tool(code=LOOK_FOR_A_LISTENER)) == NOTHING_LEFT  # alone
+
+    async def calls() -> list:
+        assert await code_tool(code=LEAVE_A_LISTENER) == "left"
+        return [await code_tool(code=LOOK_FOR_A_LISTENER) for _ in range(40)]  # back to back
+
+    seen = asyncio.run(calls())
+    assert seen == [NOTHING_LEFT] * 40, [r for r in seen if r != NOTHING_LEFT][:3]
