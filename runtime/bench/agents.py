@@ -71,7 +71,7 @@ def tool_figures(base_image: str, iterations: int, progress: Callable[[str], Non
         async def calls() -> tuple[list, list, float]:
             for _ in range(WARM_UP):
                 await timed()
-            turns = []
+            turns: list = []
             while len(turns) < iterations:
                 await asyncio.sleep(TURN_PAUSE_S)
                 turns += [await timed() for _ in range(TURN)]

@@ -401,7 +401,8 @@ class Template:
             if fd is not None:
                 self.queue.append((request, fd, message.get("episode"), bool(message.get("start"))))
         elif op == "end":  # the host is done with an episode: its process goes, and a fresh one is prepared
-            s = self.holders.pop(message.get("episode"), None) if self.episodes else None
+            episode = message.get("episode")
+            s = self.holders.pop(episode, None) if self.episodes and isinstance(episode, str) else None
             if s is not None:
                 self._end_episode(s)
         elif op == "done":  # the server read the request's answer; ``retire``: the process must not serve again
@@ -410,20 +411,22 @@ class Template:
             for entry in [e for e in self.queue if e[0] == request]:
                 self.queue.remove(entry)
                 os.close(entry[1])
-            s = self.by_request.pop(request, None)
+            s = self.by_request.pop(request, None) if isinstance(request, int) else None
             if s is not None:
                 s.requests.discard(request)
-                if message.get("retire") and s.pid:
+                if self.prepared and (message.get("retire") or self.per_call):  # (its one call is done)
+                    self._end_episode(s)
+                elif message.get("retire") and s.pid:
                     s.retiring = True
                     try:
                         os.kill(s.pid, signal.SIGKILL)
                     except OSError:
                         pass
-                elif self.per_call:  # its one call is done
-                    self._end_episode(s)
         elif op == "kill":
-            s = self.by_request.get(request)
-            if s is not None and s.pid:
+            s = self.by_request.get(request) if isinstance(request, int) else None
+            if s is not None and self.prepared:
+                self._end_episode(s)
+            elif s is not None and s.pid:
                 try:
                     os.kill(s.pid, signal.SIGKILL)
                 except OSError:
