@@ -364,6 +364,9 @@ class Template:
             if s.setup_failures >= MAX_SETUP_FAILURES:
                 s.broken = True
                 self.vacant.discard(s)
+                # Not waited for: its next processes could not be prepared (their first step as the uid kills what
+                # the uid's last one left; a step before it fails for reasons of the sandbox, not of reward code).
+                self.cleaning.discard(s)
                 why = s.last_failure or f"its process died before it was ready ({tree.describe_status(status)})"
                 send(self.server, {"op": "slot_failed", "slot": s.spec.index, "reason": why})
                 return
