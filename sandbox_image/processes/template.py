@@ -51,7 +51,7 @@ RESPAWN_BACKOFF_S = 0.05
 # IDLE_RESPAWN_S (TRL resets a whole batch's instances, and calls a turn's tools, one after another, then generates:
 # a process's start costs several calls' CPU, spent then and not in the burst's way), or the slots holding a fresh
 # process are down to a reserve (RESERVE_FRACTION of them, at least MIN_RESERVE), or MAX_RESPAWN_DELAY_S passed.
-# No episode or call starts while a process that ended is not yet known to have left nothing (see _cleaning).
+# No episode or call starts while a process that ended is not yet known to have left nothing (Template.cleaning).
 # Half an environment's slots are spares (sandbox_slots): a batch's resets fit in them.
 IDLE_RESPAWN_S = 0.05
 RESERVE_FRACTION = 1 / 32
@@ -101,7 +101,7 @@ class Template:
         self.closing = False
         self.runner: Optional[socket.socket] = None
         self.runner_pid = 0
-        self.last_call = 0.0  # style environment: when the last call went to a slot process (see IDLE_RESPAWN_S)
+        self.last_call = 0.0  # prepared: when the last call went to a slot process (see IDLE_RESPAWN_S)
         # Indexes of self.slots (an environment's may hold a thousand and more): by process, by request in flight,
         # by the episode each holds; those without a process (but broken ones), those whose episode the host ended.
         self.by_pid: dict[int, _Slot] = {}
