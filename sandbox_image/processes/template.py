@@ -272,8 +272,12 @@ class Template:
         whatever an earlier holder of the uid left): when one dies, its orphans become our children (we are their
         subreaper), and no process can leave that tree (ptrace is refused to samples). So with no stranger among
         our children, a uid whose last process we reaped has no process left anywhere."""
+        return self._strangers() == set()
+
+    def _strangers(self) -> Optional[set]:
+        """This template's children that are neither a slot process nor the runner (None: it cannot tell)."""
         found = tree.children()
-        return found is not None and found <= {s.pid for s in self.slots if s.pid} | {self.runner_pid}
+        return None if found is None else found - set(self.by_pid) - {self.runner_pid}
 
     def _spawn(self, s: _Slot) -> None:
         if s.spec.uid is not None:
@@ -457,11 +461,10 @@ class Template:
         uid = s.spec.uid
         if uid is None or not s.spec.atomic_kill:
             return uid is not None
-        found = tree.children()
-        if found is None:
+        strangers = self._strangers()
+        if strangers is None:
             return True
-        known = set(self.by_pid) | {self.runner_pid}
-        for pid in found - known:
+        for pid in strangers:
             try:
                 with open(f"/proc/{pid}/status", "rb") as f:
                     if b"\nUid:\t%d\t" % uid in f.read():

@@ -247,10 +247,6 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
             work = fp.call_episode(batch, request.timeout_s, request.episode, request.episode_start)
         else:
             work = fp.score(batch, request.timeout_s, state)
-        return await self._answer(fp, request, work, context, started)
-
-    async def _answer(self, fp: FunctionPool, request: pb.ScoreRequest, work, context: grpc.aio.ServicerContext,
-                      started: float) -> pb.ScoreResponse:
         scoring = asyncio.ensure_future(work)
         gone = asyncio.ensure_future(self.gone.wait())
         try:
