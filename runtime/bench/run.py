@@ -2,6 +2,7 @@
 
 (a) per-batch overhead of a trivial reward (64 samples) in a warm container versus the same function in-process,
     for ``isolation: worker`` and ``isolation: sample`` (paced as in training, and back to back: the worst case);
+    the worker path beside its floor, a bare gRPC round trip of the same request (:mod:`.bare_grpc`);
 (b) samples per second of a CPU-bound reward (~5 ms per sample) with 1 and 2 replicas, both isolation levels;
 (c) cold start from ``start()`` to the first score, with a cached image;
 (d) image build time, cached (tag exists) and uncached (image removed and wheelhouse emptied);
@@ -147,7 +148,7 @@ def run_bench(base_image: str, iterations: int = 200, progress: Callable[[str], 
             figures.append(Figure("in-process call of 64 samples, p50", f"{base * 1e6:.0f} us", "-", None))
         sandboxed = {}
         for isolation, pace_s, target_ms, label in (
-            ("worker", 0.0, 2.0, WORKER),
+            ("worker", 0.0, 1.0, WORKER),
             ("sample", PACE_S, 5.0, f"isolation: sample, a batch every {PACE_S * 1000:.0f} ms (as in training)"),
             ("sample", 0.0, None, "isolation: sample, back to back"),
         ):
@@ -164,6 +165,14 @@ def run_bench(base_image: str, iterations: int = 200, progress: Callable[[str], 
             figures.append(Figure(f"overhead per 64-sample batch, p50, {label}", f"{p50:.2f} ms", target,
                                   None if target_ms is None else p50 <= target_ms))
             figures.append(Figure(f"overhead per 64-sample batch, p95, {label}", f"{p95:.2f} ms", "-", None))
+            if label == WORKER:  # its floor, in the same minute: the transport alone
+                from .bare_grpc import round_trips
+
+                bare = _percentile(round_trips(samples, iterations), 0.5) * 1000
+                figures.append(Figure("bare gRPC round trip of the same 64 samples (Unix socket, a prebuilt reply), "
+                                      "p50", f"{bare:.2f} ms", "-", None))
+                figures.append(Figure(f"overhead per 64-sample batch, p50, {label}, per bare round trip",
+                                      f"{p50 / bare:.1f}x", "<= 3x", p50 <= 3 * bare))
 
         # (f) the same batches through a shared service, beside the local Unix-socket path
         if "f" in parts:

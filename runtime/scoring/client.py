@@ -346,6 +346,9 @@ class RewardClient:
         Raises:
             TransientSandboxError: the call failed, or a shared service could not score some samples.
         """
+        if not replica.shared:  # only a shared service defers samples (see _record): one call, no waiting loop
+            await self._call(replica, todo, share, trainer_state)
+            return
         max_wait_s = self.max_wait_s(replica)
         waiting = self._backoff(_Deferred, lambda state: state.idle_for >= max_wait_s)
         try:

@@ -181,13 +181,13 @@ class _Receiver:
     def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop):
         self.sock, self.loop = sock, loop
 
-    async def __call__(self, end: float) -> bytes:
-        """At least one byte, by ``end`` (the loop's clock).
+    async def __call__(self, end: float, most: int = _READ_CHUNK) -> bytes:
+        """At least one byte and at most ``most``, by ``end`` (the loop's clock).
 
         Raises: _Ended (end of stream), asyncio.TimeoutError."""
         while True:
             try:
-                chunk = self.sock.recv(_READ_CHUNK)
+                chunk = self.sock.recv(most)
             except (BlockingIOError, InterruptedError):
                 await self._readable(end)
                 continue
@@ -199,7 +199,8 @@ class _Receiver:
 
     async def _readable(self, end: float) -> None:
         """Waits until the socket is readable, by ``end``. Forked, every sample's answer is waited for alone: this
-        costs a reader and a timer, where ``wait_for(sock_recv(...))`` would start a task as well.
+        costs a reader and a timer, where ``wait_for(sock_recv(...))`` would start a task as well (so do a worker's
+        start byte and answer: two tasks a request were a tenth of the worker path's time).
 
         Raises: asyncio.TimeoutError."""
         ready = self.loop.create_future()
@@ -500,6 +501,8 @@ class FunctionPool:
             done, failed = await self._request(batch if i is None else batch.slice(i, i + 1), timeout_s, state)
             return done, failed, kills is not None and oom_kills() != kills
 
+        if len(indices) == 1:  # the common case (a worker's chunk): no task of its own
+            return [await one(indices[0])]
         return list(await asyncio.gather(*(one(i) for i in indices)))
 
     async def _again(self, batch: SampleBatch, i: int, timeout_s: float, state: Optional[dict]) -> tuple:
@@ -698,9 +701,9 @@ class FunctionPool:
         if never_started is not None:
             return None, never_started
         limit = codec.result_limit(len(batch), self.config.max_log_bytes)
+        end = asyncio.get_running_loop().time() + self._hard_timeout(len(batch), timeout_s)
         try:
-            data = await asyncio.wait_for(self._read_answer(ours, len(batch), limit + 1),
-                                          self._hard_timeout(len(batch), timeout_s))
+            data = await self._read_answer(ours, len(batch), limit + 1, end)
         except asyncio.TimeoutError:
             return None, self._kill(request, timeout_s)
         if not data:
@@ -747,21 +750,26 @@ class FunctionPool:
         return Outcome.failed(Status.TIMEOUT, f"exceeded timeout_s={timeout_s:g}; the worker was killed")
 
     async def _read_start(self, ours: socket.socket) -> Optional[bytes]:
+        """The start byte, once a slot took the request (no deadline of its own: see _begin); None if the template
+        or the pool went away first."""
         loop = asyncio.get_running_loop()
+        receive = _Receiver(ours, loop)
         while True:
             try:
-                byte = await asyncio.wait_for(loop.sock_recv(ours, 1), 1.0)
+                byte = await receive(loop.time() + 1.0, 1)
             except asyncio.TimeoutError:
                 if self.dead is not None:
                     return None
                 continue
-            except OSError:  # the template went away holding the other end
+            except _Ended:  # the template went away holding the other end
                 return None
             return byte if byte == stream.Marker.STARTED else None
 
-    async def _read_answer(self, ours: socket.socket, samples: int, limit: int) -> bytes:
-        """The answer's bytes: up to the length it declares (or EOF, or ``limit``, whichever comes first)."""
-        loop = asyncio.get_running_loop()
+    async def _read_answer(self, ours: socket.socket, samples: int, limit: int, end: float) -> bytes:
+        """The answer's bytes: up to the length it declares (or EOF, or ``limit``, whichever comes first).
+
+        Raises: asyncio.TimeoutError: not all of it by ``end`` (the loop's clock)."""
+        receive = _Receiver(ours, asyncio.get_running_loop())
         data = b""
         while len(data) < limit:
             expected = codec.answer_length(data, samples)
@@ -769,12 +777,9 @@ class FunctionPool:
                 break
             want = min(_READ_CHUNK, limit - len(data)) if expected is None else min(expected, limit) - len(data)
             try:
-                chunk = await loop.sock_recv(ours, want)
-            except OSError:  # reset by a dying worker: what arrived is judged as it is
+                data += await receive(end, want)
+            except _Ended:  # closed, or reset by a dying worker: what arrived is judged as it is
                 break
-            if not chunk:
-                break
-            data += chunk
         return data
 
     async def _died(self, request: int) -> Outcome:

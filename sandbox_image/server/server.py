@@ -139,7 +139,9 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
         self.health = health
         self.functions: dict[str, FunctionPool] = {}
         self._load_lock = asyncio.Lock()
-        self.gone = asyncio.Event()  # set with NOT_SERVING: requests in flight end UNAVAILABLE (see Score)
+        # Done with NOT_SERVING: requests in flight end UNAVAILABLE (see Score). A future every request waits on
+        # beside its work, where an Event's wait() would start a task per request.
+        self.gone: asyncio.Future = asyncio.get_running_loop().create_future()
 
     async def _start(self, config: WorkerConfig, budget_s: float) -> FunctionPool:
         loop = asyncio.get_running_loop()
@@ -156,7 +158,8 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
     async def broken(self, why: str) -> None:
         """This sandbox cannot run its rewards any more: NOT_SERVING, so the host replaces it."""
         log.error("reporting NOT_SERVING: %s", why)
-        self.gone.set()
+        if not self.gone.done():
+            self.gone.set_result(None)
         if self.health is not None:
             for service in ("", SERVICE_NAME):
                 await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -248,14 +251,11 @@ class RewardSandboxServicer(pb_grpc.RewardSandboxServicer):
         else:
             work = fp.score(batch, request.timeout_s, state)
         scoring = asyncio.ensure_future(work)
-        gone = asyncio.ensure_future(self.gone.wait())
         try:
-            await asyncio.wait({scoring, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({scoring, self.gone}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:  # the caller went away: as an awaited fp.score would be, it is cancelled
             scoring.cancel()
             raise
-        finally:
-            gone.cancel()
         if not scoring.done():
             scoring.cancel()
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this sandbox stopped (its log says why); the host "
