@@ -18,17 +18,17 @@ from pathlib import Path
 
 import grpc
 
-from ..wire import GRPC_OPTIONS, Status
+from ..scoring.transport import CHANNEL_OPTIONS
+from ..wire import GRPC_OPTIONS
 from ..wire.pb import reward_pb2 as pb
 from ..wire.pb import reward_pb2_grpc as pb_grpc
-from ..scoring.transport import CHANNEL_OPTIONS
 
 START_TIMEOUT_S = 30.0
 
 
 def serve(path: str, samples: int = 64) -> None:
     """Serves Score on ``unix://path`` until killed, with one reply of ``samples`` scores for every call."""
-    reply = pb.ScoreResponse(scores=[pb.Score(value=1.0, status=Status.OK.wire) for _ in range(samples)])
+    reply = pb.ScoreResponse(scores=[pb.Score(value=1.0, status=pb.STATUS_OK) for _ in range(samples)])
 
     class Bare(pb_grpc.RewardSandboxServicer):
         async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
