@@ -199,8 +199,8 @@ class _Receiver:
 
     async def _readable(self, end: float) -> None:
         """Waits until the socket is readable, by ``end``. Forked, every sample's answer is waited for alone: this
-        costs a reader and a timer, where ``wait_for(sock_recv(...))`` would start a task as well (so do a worker's
-        start byte and answer: two tasks a request were a tenth of the worker path's time).
+        costs a reader and a timer, where ``wait_for(sock_recv(...))`` would start a task as well (a worker's start
+        byte and answer are read the same way, for the same reason).
 
         Raises: asyncio.TimeoutError."""
         ready = self.loop.create_future()
