@@ -576,6 +576,12 @@ def _code(client, builder: ImageBuilder, directory: Path, base_image: str, progr
     speedup = rates["runc"] / rates["run"]
     figures.append(Figure("code execution samples/s, sandboxed (runc) vs one docker run per sample (runc)",
                           f"{speedup:.1f}x", ">= 3x", speedup >= 3))
+    if "gvisor" in rates:
+        # #43 item 3: the baseline (3.3 samples/s) was about one `docker run --runtime runsc` per sample
+        # (3.6), so that rate, measured in the same run, stands in for it.
+        gvisor = rates["gvisor"] / rates["run-gvisor"]
+        figures.append(Figure("code execution samples/s, sandboxed (gVisor) vs one docker run per sample (gVisor)",
+                              f"{gvisor:.1f}x", ">= 3x", gvisor >= 3))
     ratio = rates["runc"] / rates["naive"]
     figures.append(Figure("code execution samples/s, sandboxed (runc) vs in-process with no isolation (the host's "
                           "interpreter)", f"{ratio:.0%}", "-", None))

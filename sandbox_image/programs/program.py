@@ -38,6 +38,7 @@ from .run_requests import RequestError
 
 MAX_ARTIFACT = 256 * 1024 * 1024
 OPEN_FILES = 256
+_RESET_SIGNALS = tuple(sig for sig in range(1, signal.NSIG) if sig not in (signal.SIGKILL, signal.SIGSTOP))
 MEMORY_POLL_S = 0.02  # how often the memory of a program's processes is added up
 _MIB = 1 << 20
 
@@ -80,6 +81,13 @@ class Workspace:
     def __init__(self, slot: RunSlot):
         self.slot = slot
         self.session = 0  # local backend: the last program's session, to kill
+        try:  # once, not in every program's child: building the filter and loading libc took it 2-8 ms under gVisor
+            seccomp.prepare(network=False)
+        except (KeyError, OSError):
+            pass  # each program's child tries again and reports why it cannot start
+        # A kill proved that no process of the run uid is left, and none was started since: only this process
+        # starts them (execute), so an empty directory is all that a clean still needs.
+        self.none_left = False
 
     # ---- privileges
     def _as_run_uid(self, reaper: bool = False) -> None:
@@ -99,7 +107,8 @@ class Workspace:
     # ---- the scratch directory
     def clean(self) -> None:
         """Kills every process of the run uid and empties its directory (and its files in /dev/shm)."""
-        self._kill_tree()
+        if not self.none_left:
+            self._kill_tree()
         if self.slot.uid is None:
             os.makedirs(self.slot.directory, mode=0o700, exist_ok=True)
             tree.empty(self.slot.directory)
@@ -120,20 +129,25 @@ class Workspace:
         if self.slot.private_tmp == "chroot" and tree.unnamed_bytes(self.slot.directory):
             private_tmp.renew(self.slot.uid, self.slot.directory, executable=True)  # see slot.prepare
 
-    def _kill_tree(self) -> None:
-        """Kills every process of the run uid (local backend: the last program's process group)."""
+    def _kill_tree(self) -> dict:
+        """Kills every process of the run uid (local backend: the last program's process group). Returns the
+        children it reaped meanwhile, {pid: (wait status, resource usage)}: this process is the subreaper of all
+        its programs' processes (see :func:`..processes.tree.kill_uid`)."""
+        reaped: dict = {}
         if self.slot.uid is None:
             if self.session:
                 try:
                     os.killpg(self.session, signal.SIGKILL)
                 except OSError:
                     pass
-            return
+            return reaped
         self._as_run_uid(reaper=True)
         try:
-            tree.kill_uid(self.slot.uid, atomic=self.slot.atomic_kill)
+            tree.kill_uid(self.slot.uid, atomic=self.slot.atomic_kill, reaped=reaped)
         finally:
             self._as_root()
+        self.none_left = True
+        return reaped
 
     def materialize(self, entries: dict) -> None:
         """Writes {relative path: (content, mode)} into the (empty) scratch directory, as the run uid.
@@ -209,8 +223,10 @@ class Workspace:
             os.dup2(report, 3)
             os.set_inheritable(3, False)
             os.closerange(4, 65536)
-            for sig in range(1, signal.NSIG):
-                if sig not in (signal.SIGKILL, signal.SIGSTOP):
+            # execve resets every caught signal to its default itself: only what is ignored (Python ignores SIGPIPE
+            # and SIGXFSZ) or unknown to Python needs it here.
+            for sig in _RESET_SIGNALS:
+                if signal.getsignal(sig) in (signal.SIG_IGN, None):
                     try:
                         signal.signal(sig, signal.SIG_DFL)
                     except (OSError, ValueError):
@@ -259,6 +275,7 @@ class Workspace:
         report_r, report_w = os.pipe2(os.O_CLOEXEC)
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.monotonic()
+        self.none_left = False
         pid = os.fork()
         if pid == 0:
             self._child(argv, env, limits, (in_r, out_w, err_w), report_w)
@@ -347,9 +364,12 @@ class Workspace:
             for sock in watched:
                 if sock in selector.get_map():
                     selector.unregister(sock)
-            self._kill_tree()
+            reaped = self._kill_tree()
             if status_word is None:
-                _, status_word, usage = os.wait4(pid, 0)
+                if pid in reaped:
+                    status_word, usage = reaped[pid]
+                else:
+                    _, status_word, usage = os.wait4(pid, 0)
             wall = time.monotonic() - start
             if not killed_for:  # every writer is dead now: what is left in the pipes, up to the limit
                 for fd in outputs:

@@ -230,6 +230,33 @@ def test_what_a_program_leaves_is_gone_for_the_next_program(sandboxes):
     assert "written outside: []" in report.logs  # and it could write nowhere outside its directory at all
 
 
+# Processes that never stay put: each forks and exits at once, so that a kill that lists them misses the newest.
+# Under gVisor the monitor's kill takes a kill(-1) that signalled nobody as proof that none is left
+# (processes.tree.kill_uid): each of these goes after that proof.
+CHAINS = {
+    "a chain that forks and exits": "import os\nwhile True:\n    if os.fork():\n        os._exit(0)\n",
+    "a chain whose processes ignore SIGCHLD": (
+        "import os, signal\nsignal.signal(signal.SIGCHLD, signal.SIG_IGN)\nwhile True:\n    if os.fork():\n"
+        "        os._exit(0)\n"),
+    "eight chains under a subreaper of their own": (
+        "import ctypes, os, time\nctypes.CDLL(None).prctl(36, 1, 0, 0, 0)\nfor _ in range(8):\n"
+        "    if os.fork() == 0:\n        while True:\n            if os.fork():\n                os._exit(0)\n"
+        "time.sleep(0.2)\n"),
+    "threads starting chains as the program exits": (
+        "import os, threading, time\ndef chain():\n    while True:\n        try:\n            if os.fork() == 0:\n"
+        "                while True:\n                    if os.fork():\n                        os._exit(0)\n"
+        "        except OSError:\n            pass\nfor _ in range(4):\n    threading.Thread(target=chain, daemon=True).start()\n"
+        "time.sleep(0.3)\nos._exit(0)\n"),
+}
+
+
+@pytest.mark.parametrize("name", list(CHAINS))
+def test_processes_that_fork_and_exit_without_end_are_gone_for_the_next_program(sandboxes, name):
+    twice = {"kind": "twice", "code": CHAINS[name], "then": LOOK, "expect": "['main.py'] [] []", "timeout_s": 1}
+    report = score(sandboxes, [twice, GOOD, twice, twice])
+    assert report.values == [1.5, 1.5, 1.5, 1.5], (name, report.logs[-4000:])
+
+
 def test_a_program_has_no_network_even_in_a_reward_that_has(sandboxes):
     # nor Unix sockets, named or abstract: concurrent programs of other samples could meet there
     connect = ("import socket\n"
