@@ -1,8 +1,9 @@
 """``rewardbox bench`` part (h): ``isolation: sample`` (each sample in a process of its own, forked from the
 reward's state after import) at real GRPO batch sizes, against its floor.
 
-- three rewards, 1,024 completions each: a regex (pure), one that ``exec``s each completion, and the quickstart's
-  sympy ``correct`` reward (in its own image, with sympy): the container's CPU per sample under ``isolation:
+- four rewards, 1,024 completions each: a regex (pure), one that ``exec``s each completion, the quickstart's sympy
+  ``correct`` reward (in its own image, with sympy) and a math-verify accuracy reward as open-r1 writes it (in its
+  own image, with math-verify): the container's CPU per sample under ``isolation:
   sample``, beside that reward's **sample floor** measured in the same run in the same image: a process that
   holds the template's modules and the imported reward forks, its child scores one completion and encodes the
   answer into a shared mapping, and exits, and is waited for (target: at most 1.5x);
@@ -46,6 +47,31 @@ REWARDS = textwrap.dedent(
     """
 )
 QUICKSTART_REWARD = Path(__file__).resolve().parents[2] / "examples" / "quickstart" / "rewards" / "correct.py"
+# A sample-style accuracy reward with Hugging Face's math-verify, as open-r1's is written (its gold answer from the
+# dataset's column, the completion's last boxed or LaTeX answer), warmed at import as the performance page advises.
+MATH_VERIFY_PACKAGES = ["math-verify==0.9.0"]
+MATH_VERIFY_REWARD = textwrap.dedent(
+    r"""
+    from latex2sympy2_extended import NormalizationConfig
+    from math_verify import LatexExtractionConfig, parse, verify
+
+    EXTRACTION = [LatexExtractionConfig(
+        normalization_config=NormalizationConfig(nits=False, malformed_operators=False, basic_latex=True,
+                                                 boxed="all", units=True),
+        boxed_match_priority=0, try_extract_without_anchor=False)]
+
+    def accuracy(prompt, completion, example):
+        gold = parse(example["answer"], extraction_mode="first_match")
+        if not gold:
+            return None
+        answer = parse(completion, extraction_config=EXTRACTION, extraction_mode="first_match")
+        return float(verify(gold, answer))
+
+    for _completion, _gold in ((r"\boxed{12}", "$12$"), (r"\boxed{\frac{1}{2}}", "$0.5$"), ("so $x = 3$", "$3$"),
+                               (r"\boxed{2x+1}", "$1+2x$"), ("no answer", "$7$")):
+        accuracy("", _completion, {"answer": _gold})
+    """
+)
 
 # CPU seconds per fork of this process (its children's included) with ``child(i)`` run in the i-th child before it
 # exits.
@@ -284,6 +310,19 @@ def _quickstart_samples(n: int) -> tuple[list, list]:
     return completions, answers
 
 
+def _math_samples(n: int) -> tuple[list, list]:
+    """(completions, gold answers) as a math dataset's: boxed numbers, fractions and small expressions, right and
+    wrong, and some with no boxed answer."""
+    completions, answers = [], []
+    for i in range(n):
+        value = i % 50
+        shown = [f"\\boxed{{{value}}}", f"\\boxed{{\\frac{{{2 * value}}}{{2}}}}", f"the answer is ${value}$",
+                 f"\\boxed{{{value} + x - x}}", f"\\boxed{{{value + 1}}}"][i % 5]
+        completions.append(f"Adding the two numbers. {shown}" if i % 7 else f"I think it is {value}")
+        answers.append(f"${value}$")
+    return completions, answers
+
+
 def isolation_figures(client, directory: Path, base_image: str, make_config: Callable, make_backend: Callable,
                       progress: Callable[[str], None], figure: Callable, bench_rewards: str) -> list:
     """Part (h). ``make_config(directory, base_image, rewards)`` and ``make_backend(config, client)`` are the bench's
@@ -294,6 +333,7 @@ def isolation_figures(client, directory: Path, base_image: str, make_config: Cal
     (directory / "bench_rewards.py").write_text(rewards_source)
     quickstart = QUICKSTART_REWARD.read_text()
     (directory / "correct.py").write_text(quickstart)
+    (directory / "math_rewards.py").write_text(MATH_VERIFY_REWARD)
     figures = []
 
     def config_for(function: str, isolation: str, **extra):
@@ -303,11 +343,14 @@ def isolation_figures(client, directory: Path, base_image: str, make_config: Cal
 
     regex_completions = [f"<think>{i}</think><answer>{i}</answer>" if i % 2 else f"no tags {i}" for i in range(1024)]
     qs_completions, qs_answers = _quickstart_samples(1024)
+    math_completions, math_answers = _math_samples(1024)
     cases = [  # (label, function, extra reward settings, completions, columns, source)
         ("regex reward", "regex", {}, regex_completions, {}, rewards_source),
         ("exec reward", "run_it", {}, [f"score = {i % 7} / 7" for i in range(1024)], {}, rewards_source),
         ("quickstart's sympy reward", "correctness_reward", {"source": "correct.py", "packages": ["sympy>=1.12"]},
          qs_completions, {"answer": qs_answers}, quickstart),
+        ("math-verify reward", "accuracy", {"source": "math_rewards.py", "packages": MATH_VERIFY_PACKAGES},
+         math_completions, {"answer": math_answers}, MATH_VERIFY_REWARD),
     ]
     floors: dict = {}
     image = None

@@ -245,27 +245,11 @@ def _pids_of(uid: int, running_only: bool = False) -> list[int]:
     return found
 
 
-def _signal_all(sig: int) -> bool:
-    """kill(-1, sig). Returns False where it signalled nobody (ESRCH): no process this one may signal existed, not
-    even a zombie. Linux answers so only when no other process exists at all; gVisor whenever none it may signal
-    exists, as it lists the processes of its pid namespace under the lock that creating one takes."""
+def _signal_all(sig: int) -> None:
     try:
         os.kill(-1, sig)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def reap_into(reaped: dict) -> None:
-    """Reaps every exited child without waiting, into ``reaped``: {pid: (wait status, its resource usage)}."""
-    while True:
-        try:
-            pid, status, usage = os.wait4(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        reaped[pid] = (status, usage)
+    except ProcessLookupError:  # gVisor: nothing it may signal
+        pass
 
 
 def kill_descendants(pid: int) -> Optional[int]:
@@ -289,7 +273,7 @@ STABLE_SCANS = 3
 STOP_BUDGET_S = 0.5
 
 
-def kill_uid(uid: int, deadline_s: float = 10.0, atomic: bool = False, reaped: Optional[dict] = None) -> None:
+def kill_uid(uid: int, deadline_s: float = 10.0, atomic: bool = False) -> None:
     """Kills every process whose real uid is ``uid``, from a process whose real uid differs (the kernel then lets
     no process of ``uid`` signal it) but whose effective uid is ``uid`` (so kill(-1) reaches all of them).
 
@@ -300,36 +284,20 @@ def kill_uid(uid: int, deadline_s: float = 10.0, atomic: bool = False, reaped: O
     Then they are killed until /proc shows none left (kill(-1) returns success whenever any other process exists,
     so /proc is the only proof; without an atomic kill, several scans in a row).
 
-    ``reaped``, from the parent or subreaper of every process of ``uid``, single-threaded, whose SIGCHLD is not
-    ignored (a program's monitor): it reaps its exited children as it goes, into ``reaped`` (see :func:`reap_into`),
-    and a kill(-1) that signalled nobody is the proof by itself, on either kernel. gVisor lists the processes it
-    signals under the lock that creating a process takes, so a process forked after that list has a parent in it;
-    every chain of them ends in one whose parent is the caller, which no one else can reap (nor the kernel on its
-    own: its SIGCHLD is not ignored) while the caller is in kill(): alive or a zombie, that one is signalled. So
-    "nobody" means that no process of ``uid`` existed when the list was taken, and only the caller makes new ones.
-
     Raises:
         RuntimeError: some survived ``deadline_s`` (a process stuck in the kernel).
     """
-    if reaped is not None:
-        reap_into(reaped)
-        if not _signal_all(signal.SIGKILL):
-            return  # the usual case: the program ended, and nothing of its uid is left
     end = time.monotonic() + deadline_s
     stop_end = time.monotonic() + STOP_BUDGET_S
     stable = 0
     while not atomic and stable < STABLE_SCANS and time.monotonic() < stop_end:
-        if not _signal_all(signal.SIGSTOP) and reaped is not None:
-            return
+        _signal_all(signal.SIGSTOP)
         stable = stable + 1 if not _pids_of(uid, running_only=True) else 0
     # Without an atomic kill(-1), one empty scan may have raced a fork that was under way (a child not yet listed,
     # its parent already dead): there, several empty scans in a row, each after another kill, are the proof.
     empty_scans = 0
     while True:
-        if reaped is not None:
-            reap_into(reaped)
-        if not _signal_all(signal.SIGKILL) and reaped is not None:
-            return
+        _signal_all(signal.SIGKILL)
         empty_scans = empty_scans + 1 if not _pids_of(uid) else 0
         if empty_scans >= (1 if atomic else STABLE_SCANS):
             return

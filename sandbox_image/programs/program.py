@@ -129,25 +129,21 @@ class Workspace:
         if self.slot.private_tmp == "chroot" and tree.unnamed_bytes(self.slot.directory):
             private_tmp.renew(self.slot.uid, self.slot.directory, executable=True)  # see slot.prepare
 
-    def _kill_tree(self) -> dict:
-        """Kills every process of the run uid (local backend: the last program's process group). Returns the
-        children it reaped meanwhile, {pid: (wait status, resource usage)}: this process is the subreaper of all
-        its programs' processes (see :func:`..processes.tree.kill_uid`)."""
-        reaped: dict = {}
+    def _kill_tree(self) -> None:
+        """Kills every process of the run uid (local backend: the last program's process group)."""
         if self.slot.uid is None:
             if self.session:
                 try:
                     os.killpg(self.session, signal.SIGKILL)
                 except OSError:
                     pass
-            return reaped
+            return
         self._as_run_uid(reaper=True)
         try:
-            tree.kill_uid(self.slot.uid, atomic=self.slot.atomic_kill, reaped=reaped)
+            tree.kill_uid(self.slot.uid, atomic=self.slot.atomic_kill)
         finally:
             self._as_root()
         self.none_left = True
-        return reaped
 
     def materialize(self, entries: dict) -> None:
         """Writes {relative path: (content, mode)} into the (empty) scratch directory, as the run uid.
@@ -364,12 +360,9 @@ class Workspace:
             for sock in watched:
                 if sock in selector.get_map():
                     selector.unregister(sock)
-            reaped = self._kill_tree()
+            self._kill_tree()
             if status_word is None:
-                if pid in reaped:
-                    status_word, usage = reaped[pid]
-                else:
-                    _, status_word, usage = os.wait4(pid, 0)
+                _, status_word, usage = os.wait4(pid, 0)
             wall = time.monotonic() - start
             if not killed_for:  # every writer is dead now: what is left in the pipes, up to the limit
                 for fd in outputs:

@@ -231,8 +231,8 @@ def test_what_a_program_leaves_is_gone_for_the_next_program(sandboxes):
 
 
 # Processes that never stay put: each forks and exits at once, so that a kill that lists them misses the newest.
-# Under gVisor the monitor's kill takes a kill(-1) that signalled nobody as proof that none is left
-# (processes.tree.kill_uid): each of these goes after that proof.
+# gVisor's kill(-1) is not atomic (processes.tree.kill_uid): a process forked between its listing and its signal
+# survives one, and a kill that stopped at its first kill(-1) left two of these behind.
 CHAINS = {
     "a chain that forks and exits": "import os\nwhile True:\n    if os.fork():\n        os._exit(0)\n",
     "a chain whose processes ignore SIGCHLD": (
