@@ -75,16 +75,21 @@ class SlotGone(BaseException):
     program runs): stop at once, killing the program, and serve that socket no more."""
 
 
+def prepare_filter() -> None:
+    """Builds the programs' seccomp filter in this process (a runner), so that every program's child, forked from
+    one of its monitors, only installs it: building it and loading libc took each child 2-8 ms under gVisor."""
+    try:
+        seccomp.prepare(network=False)
+    except (KeyError, OSError):
+        pass  # each program's child tries again and reports why it cannot start
+
+
 class Workspace:
     """One slot's run uid and scratch directory, as a monitor (root) acts on them (see the module docstring)."""
 
     def __init__(self, slot: RunSlot):
         self.slot = slot
         self.session = 0  # local backend: the last program's session, to kill
-        try:  # once, not in every program's child: building the filter and loading libc took it 2-8 ms under gVisor
-            seccomp.prepare(network=False)
-        except (KeyError, OSError):
-            pass  # each program's child tries again and reports why it cannot start
         # A kill proved that no process of the run uid is left, and none was started since: only this process
         # starts them (execute), so an empty directory is all that a clean still needs.
         self.none_left = False

@@ -22,7 +22,7 @@ from typing import Optional
 from ..processes import tree
 from .run_requests import RELEASE, encode_frame
 from . import monitor
-from .program import RunSlot
+from .program import RunSlot, prepare_filter
 
 
 _RELEASE_FRAME = encode_frame({"op": RELEASE})
@@ -137,6 +137,7 @@ def start(slot_map: dict) -> tuple:
         keep = runner_end.fileno()
         os.closerange(3, keep)
         os.closerange(keep + 1, 65536)
+        prepare_filter()
         Runner(runner_end, slot_map).run()  # if it raises, the template sees the socket close: run() calls fail
 
     pid = tree.fork_child(serve)
@@ -154,6 +155,7 @@ def main(argv: Optional[list] = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="rbx-run-") as directory:
         slot = RunSlot(uid=None, directory=os.path.join(directory, "scratch"))
+        prepare_filter()
         return monitor.Monitor(slot, socket.socket(fileno=fd)).loop()
 
 
