@@ -10,9 +10,10 @@ code of ours):
    slots');
 3. limits: RLIMIT_NPROC (a fork bomb stops there, the other samples can still fork), no core files, and
    ``oom_score_adj`` 1000 (the OOM killer takes a sample before the server);
-4. whatever an earlier process of this uid left is removed: every process (``setsid`` daemons included), its SysV
-   IPC objects and POSIX message queues, the contents of the scratch directory, and (once freed: a port they
-   hold) its sockets left in flight (:meth:`..memory.sockets.UnixSockets.wait_for_in_flight`);
+4. whatever an earlier process of this uid left is removed: every process (``setsid`` daemons included), the
+   contents of the scratch directory, and (once freed: a port they hold) its sockets left in flight
+   (:meth:`..memory.sockets.UnixSockets.wait_for_in_flight`). It needs no SysV IPC objects or message queues
+   removed: the seccomp filter (step 5) refuses them to every process of a slot's uid;
 5. docker backend: its scratch directory is mounted on ``/tmp`` in a mount namespace of its own
    (:mod:`..confine.private_tmp`) where the container allows it;
 6. cwd, HOME and TMPDIR are the scratch directory (``/tmp`` where it is mounted there).
@@ -32,7 +33,6 @@ import os
 import resource
 import signal
 import socket
-import struct
 import time
 import traceback
 from dataclasses import dataclass
@@ -47,13 +47,11 @@ from ..protocol import codec, stream
 from ..protocol.channel import ChannelClosed, optional_fd, recv
 from ..protocol.records import SampleBatch
 from . import cpu_wait, forked, import_effects, tree, worker
-from .tree import die_with_parent, empty, kill_uid, remove_ipc
+from .tree import die_with_parent, empty, kill_uid
 
-READY = stream.SlotMarker.READY  # followed by the IPC mark (u64)
+READY = stream.SlotMarker.READY
 FAILED = stream.SlotMarker.FAILED  # followed by why (UTF-8, at most MAX_REASON bytes), before the process exits
 MAX_REASON = 2000
-_MARK = struct.Struct("<Q")
-READY_SIZE = 1 + _MARK.size
 
 
 @dataclass(frozen=True)
@@ -65,12 +63,11 @@ class SlotSpec:
     directory: str
     nproc: Optional[int] = None  # RLIMIT_NPROC for its uid
     memory: Optional[int] = None  # RLIMIT_AS of each of its processes, bytes
-    ipc_mark: int = 0  # gVisor: the last SysV IPC id this slot's cleanup saw
     atomic_kill: bool = False  # the kernel signals kill(-1) atomically against fork (Linux; not gVisor)
     run_uid: Optional[int] = None  # the uid of the programs its reward code runs (rewardbox.sandbox.run)
     run_directory: str = ""  # their scratch directory
     # The template proved that no process of this uid is left (see Template._no_strangers): the cleanup needs no
-    # kill or /proc scan, and no IPC objects can exist (the seccomp filter refuses them to every slot process).
+    # kill or /proc scan.
     known_clean: bool = False
     # How its processes get a private /tmp (see private_tmp.py): "userns", "mount", or "" (none: /tmp read-only)
     private_tmp: str = ""
@@ -90,8 +87,8 @@ HOME_VARIABLES = ("HOME", "TMPDIR", "PWD")
 SAMPLE_OPEN_FILES = 512  # a slot process's descriptors (its own included): see prepare
 
 
-def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> int:
-    """Makes this freshly forked process a slot (see the module docstring). Returns the IPC mark for the template.
+def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> None:
+    """Makes this freshly forked process a slot (see the module docstring).
     ``run_fd``: its socket to the program runner (:mod:`..programs.runner`), kept open for
     :func:`rewardbox.sandbox.run`.
 
@@ -115,7 +112,6 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
     except OSError:
         if slot.uid is not None:
             raise
-    mark = slot.ipc_mark
     if slot.uid is not None:
         os.setgroups([])
         # Clean up after the uid's earlier processes while they can neither signal nor trace this one, and with
@@ -124,7 +120,9 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
         os.setresuid(slot.uid | tree.REAPER_UID_BIT, slot.uid, 0)
         if not slot.known_clean:
             kill_uid(slot.uid, atomic=slot.atomic_kill)
-            mark = remove_ipc(slot.uid, mark)
+        # No SysV IPC object or message queue of the uid can exist: the seccomp filter below refuses them to every
+        # process of a slot's uid (each descends from a slot process, which installs it before any reward code runs,
+        # or fails to start), so none is looked for.
         # Samples yield the CPU to the sandbox's own processes (nice only weighs tasks of the container's own
         # cgroup against each other: the container's share of the machine is unchanged). Whatever a sample leaves
         # spinning cannot slow down the template that cleans up after it, nor the server. From here on, once what
@@ -172,7 +170,6 @@ def prepare(slot: SlotSpec, control_fd: int, run_fd: Optional[int] = None) -> in
                      "this sandbox cannot run programs: it has no uid for them (started without --run-uids) or its "
                      "program runner is gone (see the sandbox's log)")
     worker.install_capture()
-    return mark
 
 
 def _released(run_fd: int) -> bool:
@@ -493,12 +490,12 @@ async def _serve_async(loaded: worker.Loaded, control: socket.socket) -> None:
     await closed
 
 
-def serve(loaded: worker.Loaded, control: socket.socket, mode: str, mark: int,
+def serve(loaded: worker.Loaded, control: socket.socket, mode: str,
           forker: Optional[forked.Forker] = None) -> None:
     """Serves request sockets sent over ``control`` (``mode`` is the isolation level): ``worker``, until the
     template goes away; ``sample`` with a ``forker``, each unit in a child (:mod:`.forked`), until a unit leaves
     something no cleanup removes; otherwise (``process``, ``sample`` where slot processes cannot fork) one request."""
-    control.sendall(READY + _MARK.pack(mark))
+    control.sendall(READY)
     if mode == "worker" and loaded.info.is_async:
         import asyncio  # preloaded by the template of an async function (see worker)
 
@@ -527,7 +524,7 @@ def run(loaded: worker.Loaded, slot: SlotSpec, control: socket.socket, mode: str
     code = 0
     try:
         try:
-            mark = prepare(slot, control.fileno(), None if run_channel is None else run_channel.detach())
+            prepare(slot, control.fileno(), None if run_channel is None else run_channel.detach())
         except BaseException as e:  # noqa: BLE001 - still trusted code here: tell the template why
             code = 70
             reason = f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:MAX_REASON]
@@ -547,7 +544,7 @@ def run(loaded: worker.Loaded, slot: SlotSpec, control: socket.socket, mode: str
                     and not loaded.info.is_async:
                 warm_up_call(loaded)
             import_effects.give_back()  # reward code runs in this process from here on
-        serve(loaded, control, mode, mark, forker)
+        serve(loaded, control, mode, forker)
     except BaseException:  # noqa: BLE001 - reward code ran in this process: nothing it says is reported
         code = 70
     finally:

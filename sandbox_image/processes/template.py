@@ -306,11 +306,11 @@ class Template:
         self.selector.register(parent_end, selectors.EVENT_READ, s)
 
     def _ready(self, s: _Slot) -> None:
-        """The slot's one message, written before any reward code ran: ready (with its IPC mark), or why not."""
+        """The slot's one message, written before any reward code ran: ready, or why not."""
         message = b""
         assert s.control is not None  # registered with the selector once it had one (_spawn)
         try:
-            while len(message) < slots.READY_SIZE:
+            while len(message) < len(slots.READY):
                 chunk = s.control.recv(slots.MAX_REASON + 1)
                 if not chunk:
                     break
@@ -320,9 +320,7 @@ class Template:
         except OSError:
             pass
         self.selector.unregister(s.control)
-        if message[:1] == slots.READY and len(message) == slots.READY_SIZE:
-            (mark,) = slots._MARK.unpack(message[1:])
-            s.spec = dataclasses.replace(s.spec, ipc_mark=mark)
+        if message == slots.READY:
             s.ready, s.setup_failures, s.cleaned = True, 0, True
             s.urgent = False
             self.cleaning.discard(s)  # it killed what the uid's last process left

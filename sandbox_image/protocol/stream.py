@@ -15,7 +15,7 @@ code; the server trusts nothing it reads there and reads it within each unit's d
         one answer, for the request's one unit; nothing after it is read
 
 Elsewhere: a forked child -> its slot process, on a pipe: DONE once its answer is in their shared mapping; a slot
-process -> the template, on its control socket: READY (u64 IPC mark follows) or FAILED (why follows).
+process -> the template, on its control socket: READY or FAILED (why follows).
 
 :class:`StreamReader` reads the stream as a state machine that does no I/O: the server feeds it what arrives and
 acts on its events (tests/sandbox/test_stream.py reads every rule from a table of byte sequences). Every length the
@@ -52,7 +52,7 @@ class ChildMarker(bytes, enum.Enum):
 class SlotMarker(bytes, enum.Enum):
     """A slot process -> the template, on its control socket."""
 
-    READY = b"R"  # followed by the IPC mark (u64)
+    READY = b"R"
     FAILED = b"F"  # followed by why (UTF-8), before the process exits
 
 

@@ -469,9 +469,9 @@ def test_a_sysv_object_given_to_another_uid_does_not_outlive_its_sample(hostile_
     if "runsc" not in request.node.name:
         attack(hostile_sandboxes, GIVE_AWAY_SHM, {Status.OK})  # runc: no SysV IPC exists at all
         return
-    # gVisor ignores the sysctls that switch SysV IPC off: the segment exists until the slot's cleanup right after
-    # the sample, so samples running at that moment may see it (docs/explanation/threat-model.md); later ones never
-    # do.
+    # gVisor ignores the sysctls that switch SysV IPC off: the seccomp filter of every slot process refuses the
+    # segment (test_ipc_message_queues_ptrace_and_keyrings_are_refused_to_samples), which is why no slot's cleanup
+    # looks for IPC objects; the samples after it find nothing.
     report = _score(hostile_sandboxes, [GIVE_AWAY_SHM])
     assert report.statuses == [Status.OK]
     time.sleep(0.5)
