@@ -11,7 +11,9 @@ reward's state after import) at real GRPO batch sizes, against its floor.
   reward keeps no state that matters), wall time per batch at 1,024 and 4,096 completions beside ``sample``'s;
 - the bare fork floors (a ``python3`` that holds nothing; one that holds the template's modules) and the isolation
   floor (a fork that takes a uid of its own and a private /tmp, as a fresh slot process must);
-- a CPU-bound reward (~5 ms a sample): samples per second, sample versus worker.
+- a CPU-bound reward (~5 ms a sample): samples per second, sample versus worker;
+- the regex reward under gVisor (where each sample gets a slot process of its own), 256 completions: wall time and
+  the container's CPU a sample.
 
 CPU time is the container's (its cgroup's ``cpuacct`` counter, read through the engine), so the server, the
 template, the slot processes and their forks are all counted.
@@ -221,6 +223,9 @@ async def _settled(client, window_s: float = 0.25, idle: float = 0.05, at_most_s
             return
 
 
+GVISOR_SAMPLES = 256  # under gVisor, each sample in a slot process of its own: tens of milliseconds each
+
+
 def _measure(client, config, backend, name: str, completions: list, batches: int = BATCHES,
              then: Optional[Callable] = None, columns: Optional[dict] = None,
              split: Optional[dict] = None) -> tuple[float, float]:
@@ -401,6 +406,18 @@ def isolation_figures(client, directory: Path, base_image: str, make_config: Cal
                    f"{s_wall * 1000:.1f} ms, {s_cpu:.3f} CPU s/1k ({s_wall / w_wall:.0f}x worker's wall)", "-",
                    None),
         ]
+
+    if "runsc" in client.info().get("Runtimes", {}):
+        n = GVISOR_SAMPLES
+        progress(f"(h) regex reward, {n} completions, isolation: sample, gVisor")
+        config = make_config(directory, base_image, [{"name": "regex_gvisor", "function": "regex", "workers": 2,
+                                                      "cpus": 2, "memory": "2g", "timeout_s": 30}],
+                             runtime="runsc")
+        wall, cpu = _measure(client, config, make_backend(config, client), "regex_gvisor",
+                             [f"<think>{i}</think><answer>{i}</answer>" for i in range(n)], 3)
+        figures.append(figure(f"regex reward, {n} completions, isolation: sample, gVisor (a slot process a sample; "
+                              "median of 3)", f"{wall / n * 1000:.1f} ms a sample, {cpu:.1f} ms CPU a sample",
+                              "-", None))
 
     if image:
         progress("(h) fork floors in the sandbox image")

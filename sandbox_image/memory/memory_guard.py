@@ -60,6 +60,7 @@ from .memory_use import MAX_INTERVAL_S, MIN_MARGIN_BYTES, Held, Usage, held, soc
 _MIB = 1 << 20
 GROWTH_BYTES_PER_S = 8 << 30  # how fast the samples' memory may grow, for how long the guard may sleep
 MIN_INTERVAL_S = 0.002
+IDLE_INTERVAL_S = 0.25  # the longest the guard sleeps while the server has no call in flight (see Guard.quiet)
 SETTLE_S = 0.5  # after a kill, see Guard.reaped
 # Once replaced slot tmpfs hold limit / UNHELD_FRACTION (gVisor: private_tmp.leaked_bytes, read every RENEWED_S),
 # the sandbox restarts; so it does, past the mark, once what no process nor file holds is half the margin or more
@@ -237,6 +238,7 @@ class Guard:
         self.scan_s = 0.0  # how long reading what every process holds took, last time
         self.killing: dict = {}  # pid of a killing child -> its slot
         self.next_check = 0.0
+        self.idle = False  # the server has no call in flight (see quiet)
         # After a kill: until settle_until, only use above floor kills again (the killed processes' memory may take
         # a while to come back: gVisor gives it back over hundreds of milliseconds, and killed an innocent next).
         self.settle_until = 0.0
@@ -248,6 +250,16 @@ class Guard:
         self.kernel_floor: Optional[int] = None  # see _unheld
         self.next_calibration = 0.0
         self.dying: frozenset = frozenset()  # the processes of the slot last killed (see check)
+
+    def quiet(self, idle: bool) -> None:
+        """The server says it has had no call in flight for a while (``idle``), or has one again. Between calls
+        nothing of a sample runs: a slot process waits for its next request, and what a finished sample left is
+        killed by its slot's next process at once (a worker's own threads are the exception its user vouched
+        for). So the guard reads no more often than memory could grow to the mark at GROWTH_BYTES_PER_S (without
+        the shorter sleep gVisor's lagging figures get while samples run); the next call has it read at once."""
+        self.idle = idle
+        if not idle:
+            self.next_check = min(self.next_check, self.clock())
 
     def timeout(self) -> float:
         """Seconds until the next check is due (0: now)."""
@@ -353,8 +365,9 @@ class Guard:
 
     def _check_again(self, now: float, room: int) -> None:
         """The next check: as long as memory takes to fill ``room`` bytes at GROWTH_BYTES_PER_S, within
-        MIN_INTERVAL_S and the usage's longest sleep."""
-        self.next_check = now + min(self.usage.longest_sleep, max(MIN_INTERVAL_S, room / GROWTH_BYTES_PER_S))
+        MIN_INTERVAL_S and the usage's longest sleep (IDLE_INTERVAL_S between calls: see quiet)."""
+        longest = IDLE_INTERVAL_S if self.idle and not self.killing else self.usage.longest_sleep
+        self.next_check = now + min(longest, max(MIN_INTERVAL_S, room / GROWTH_BYTES_PER_S))
 
     def _restart(self, why: str, totals: dict) -> int:
         """Stops every sample's processes and the monitors serving them (what kept running grew, unguarded, until

@@ -157,6 +157,10 @@ class Supervisor:
             message, _ = recv(self.server)
         except (ChannelClosed, OSError, ValueError):
             return False
+        if message.get("op") == "quiet":  # the server had no call in flight for a while, or has one again
+            if self.guard is not None:
+                self.guard.quiet(bool(message.get("quiet")))
+            return True
         if message.get("op") != "template":
             return True
         config = WorkerConfig(**message["config"])

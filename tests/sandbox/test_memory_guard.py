@@ -230,6 +230,25 @@ def test_below_the_mark_it_reads_one_figure_and_kills_nobody_and_sleeps_longer_t
     assert memory_guard.MIN_INTERVAL_S <= guard.timeout() < memory_use.MAX_INTERVAL_S
 
 
+def test_between_calls_it_reads_as_often_as_memory_could_reach_the_mark_and_at_once_when_calls_start_again():
+    usage = FakeUsage(now=100 << 20, longest_sleep=memory_use.MAX_INTERVAL_S / 5)  # gVisor's shorter sleep
+    guard, stopped, killed, clock = _guard(usage, [])
+    assert guard.check() is None and guard.timeout() == pytest.approx(memory_use.MAX_INTERVAL_S / 5)
+    guard.quiet(True)  # the server had no call in flight for a while
+    clock.t += 1.0
+    assert guard.check() is None
+    room = usage.mark - usage.pressure()
+    assert guard.timeout() == pytest.approx(min(memory_guard.IDLE_INTERVAL_S, room / memory_guard.GROWTH_BYTES_PER_S))
+    assert guard.timeout() > memory_use.MAX_INTERVAL_S
+    usage.now = usage.mark - (50 << 20)  # near the mark, quiet or not, it reads more often the less room is left
+    assert guard.check() is None and guard.timeout() < memory_use.MAX_INTERVAL_S / 5
+    usage.now = 100 << 20
+    assert guard.check() is None and guard.timeout() > memory_use.MAX_INTERVAL_S
+    guard.quiet(False)  # a call starts: the next read is now, and the usual pace follows
+    assert guard.timeout() == 0.0
+    assert guard.check() is None and guard.timeout() == pytest.approx(memory_use.MAX_INTERVAL_S / 5)
+
+
 def test_past_the_mark_the_slot_holding_most_together_is_stopped_then_killed_with_its_programs():
     statuses = [(10 + k, status(SLOT, rss_anon_kb=24 << 10)) for k in range(36)]
     statuses += [(90, status(OTHER_SLOT, rss_anon_kb=60 << 10)), (91, status(OTHER_RUN, rss_anon_kb=100 << 10))]

@@ -428,3 +428,33 @@ def versioned(prompt, completion, example):
     while time.monotonic() < deadline and not all(_gone(pid) for pid in started):
         time.sleep(0.05)
     assert [pid for pid in started if not _gone(pid)] == []
+
+
+def test_the_memory_guard_hears_when_calls_pause_and_when_they_start_again_but_not_between_calls_back_to_back():
+    from rewardbox.sandbox.server import server
+
+    class Supervisor:
+        def __init__(self):
+            self.told = []
+
+        def tell(self, message):
+            self.told.append(message["quiet"])
+
+    async def scenario(held_open: bool) -> list:
+        supervisor = Supervisor()
+        activity = server._Activity(supervisor, lambda: held_open)
+        for _ in range(20):  # calls back to back, one at a time, with the gaps a client leaves between them
+            with activity.call():
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(0.001)
+        with activity.call(), activity.call():  # two at once: quiet only once both ended
+            await asyncio.sleep(0.001)
+        assert supervisor.told == []
+        await asyncio.sleep(server.QUIET_AFTER_S * 2)  # a pause: quiet, once
+        await asyncio.sleep(server.QUIET_AFTER_S * 2)
+        with activity.call():
+            pass
+        return supervisor.told
+
+    assert run(scenario(held_open=False)) == [True, False]
+    assert run(scenario(held_open=True)) == []  # an environment's episodes live between their calls
