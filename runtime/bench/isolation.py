@@ -27,7 +27,7 @@ import statistics
 import textwrap
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from ..api.session import RewardSandboxes
 from ..scoring.samples import build_samples
@@ -341,15 +341,16 @@ def isolation_figures(client, directory: Path, base_image: str, make_config: Cal
     (directory / "math_rewards.py").write_text(MATH_VERIFY_REWARD)
     figures = []
 
-    def config_for(function: str, isolation: str, **extra):
+    def config_for(function: str, isolation: str, *, runtime: Optional[str] = None, **extra):
         return make_config(directory, base_image, [{"name": f"{function}_{isolation}", "function": function,
                                                      "workers": 2, "cpus": 2, "isolation": isolation,
-                                                     "memory": "2g", "timeout_s": 30, **extra}])
+                                                     "memory": "2g", "timeout_s": 30, **extra}], runtime=runtime)
 
     regex_completions = [f"<think>{i}</think><answer>{i}</answer>" if i % 2 else f"no tags {i}" for i in range(1024)]
     qs_completions, qs_answers = _quickstart_samples(1024)
     math_completions, math_answers = _math_samples(1024)
-    cases = [  # (label, function, extra reward settings, completions, columns, source)
+    cases: list[tuple[str, str, dict[str, Any], list, dict, str]] = [  # (label, function, extra reward settings,
+        # completions, columns, source)
         ("regex reward", "regex", {}, regex_completions, {}, rewards_source),
         ("exec reward", "run_it", {}, [f"score = {i % 7} / 7" for i in range(1024)], {}, rewards_source),
         ("quickstart's sympy reward", "correctness_reward", {"source": "correct.py", "packages": ["sympy>=1.12"]},
@@ -410,10 +411,8 @@ def isolation_figures(client, directory: Path, base_image: str, make_config: Cal
     if "runsc" in client.info().get("Runtimes", {}):
         n = GVISOR_SAMPLES
         progress(f"(h) regex reward, {n} completions, isolation: sample, gVisor")
-        config = make_config(directory, base_image, [{"name": "regex_gvisor", "function": "regex", "workers": 2,
-                                                      "cpus": 2, "memory": "2g", "timeout_s": 30}],
-                             runtime="runsc")
-        wall, cpu = _measure(client, config, make_backend(config, client), "regex_gvisor",
+        config = config_for("regex", "sample", runtime="runsc")
+        wall, cpu = _measure(client, config, make_backend(config, client), "regex_sample",
                              [f"<think>{i}</think><answer>{i}</answer>" for i in range(n)], 3)
         figures.append(figure(f"regex reward, {n} completions, isolation: sample, gVisor (a slot process a sample; "
                               "median of 3)", f"{wall / n * 1000:.1f} ms a sample, {cpu:.1f} ms CPU a sample",

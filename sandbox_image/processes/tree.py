@@ -299,10 +299,10 @@ def kill_uid(uid: int, deadline_s: float = 10.0, atomic: bool = False) -> None:
         states = _states_of(uid)
         stable = stable + 1 if all(state in b"TtD" for state in states) else 0
         none_live = none_live + 1 if not states else 0
+        if none_live >= STABLE_SCANS:
+            return
         if none_live:
             time.sleep(0.001)  # as between the killing's scans
-    if none_live >= STABLE_SCANS:
-        return
     # Without an atomic kill(-1), one empty scan may have raced a fork that was under way (a child not yet listed,
     # its parent already dead): there, several empty scans in a row, each after another kill, are the proof.
     empty_scans = 0
