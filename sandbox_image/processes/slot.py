@@ -491,11 +491,16 @@ async def _serve_async(loaded: worker.Loaded, control: socket.socket) -> None:
 
 
 def serve(loaded: worker.Loaded, control: socket.socket, mode: str,
-          forker: Optional[forked.Forker] = None) -> None:
+          forker: Optional[forked.Forker] = None, namespace: Optional[int] = None) -> None:
     """Serves request sockets sent over ``control`` (``mode`` is the isolation level): ``worker``, until the
     template goes away; ``sample`` with a ``forker``, each unit in a child (:mod:`.forked`), until a unit leaves
-    something no cleanup removes; otherwise (``process``, ``sample`` where slot processes cannot fork) one request."""
-    control.sendall(READY)
+    something no cleanup removes; otherwise (``process``, ``sample`` where slot processes cannot fork) one request.
+    ``namespace``: its mount namespace (:func:`own_namespace`), sent to the template with the ready byte."""
+    if namespace is None:
+        control.sendall(READY)
+    else:
+        socket.send_fds(control, [READY], [namespace])
+        os.close(namespace)
     if mode == "worker" and loaded.info.is_async:
         import asyncio  # preloaded by the template of an async function (see worker)
 
@@ -518,6 +523,21 @@ def serve(loaded: worker.Loaded, control: socket.socket, mode: str,
             return
 
 
+def own_namespace(slot: SlotSpec) -> Optional[int]:
+    """A descriptor of this process's own mount namespace (``userns``: made by :func:`prepare`), for the template to
+    hold (None: it shares the container's). Its namespace is a copy of the container's mounts, one tmpfs per slot
+    among them (Docker's ``/tmp/slot-<uid>``: 540 mounts in an environment's sandbox of 512 slots), and the process
+    that drops the last reference to it unmounts them all: about a millisecond, in the exit of a slot process
+    otherwise, before its parent learns of it; an episode's reset, a tool's next call and a sample's next process
+    wait for that exit. Held by the template, the namespace outlives the process, which ends at once; the
+    template lets go of it beside its own work (:class:`.template.Namespaces`). What the namespace holds is mounts
+    this trusted code made (the process drops every capability in it before any reward code runs, and the seccomp
+    filter refuses mounts): none of a sample's data."""
+    if slot.private_tmp != "userns" or slot.uid is None:
+        return None
+    return os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+
+
 def run(loaded: worker.Loaded, slot: SlotSpec, control: socket.socket, mode: str,
         run_channel: Optional[socket.socket] = None) -> None:
     """The whole life of a slot process; never returns."""
@@ -533,6 +553,7 @@ def run(loaded: worker.Loaded, slot: SlotSpec, control: socket.socket, mode: str
             except OSError:
                 pass
             return
+        namespace = own_namespace(slot)  # before any reward code runs in this process
         forker = None
         if forks(mode, slot):
             assert slot.uid is not None  # forks() says so
@@ -544,7 +565,7 @@ def run(loaded: worker.Loaded, slot: SlotSpec, control: socket.socket, mode: str
                     and not loaded.info.is_async:
                 warm_up_call(loaded)
             import_effects.give_back()  # reward code runs in this process from here on
-        serve(loaded, control, mode, forker)
+        serve(loaded, control, mode, forker, namespace)
     except BaseException:  # noqa: BLE001 - reward code ran in this process: nothing it says is reported
         code = 70
     finally:

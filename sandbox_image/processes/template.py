@@ -19,6 +19,7 @@ starts a socket to it, telling the runner which slot that socket belongs to.
 
 from __future__ import annotations
 
+import _queue  # queue.SimpleQueue itself, without the threading module queue imports (see tests/test_layering.py)
 import _thread
 import collections
 import dataclasses
@@ -59,6 +60,35 @@ MIN_RESERVE = 2
 MAX_RESPAWN_DELAY_S = 10.0
 
 
+class Namespaces:
+    """Lets go of the mount namespaces of ended slot processes (:func:`.slot.own_namespace`) on a thread of its
+    own: dropping the last reference unmounts the namespace's copies of the container's mounts (about a
+    millisecond in a sandbox of 512 slots), time the template's loop spends on requests instead. The thread starts
+    with the first namespace to let go of, after the reward's import was checked for threads of its own
+    (:meth:`Template._left_by_import`). What the thread does is close descriptors; the slot processes the template
+    forks meanwhile close every descriptor they inherit first (:func:`.tree.close_inherited`)."""
+
+    def __init__(self) -> None:
+        self.pending: Optional[_queue.SimpleQueue] = None
+
+    def release(self, fd: Optional[int]) -> None:
+        if fd is None:
+            return
+        if self.pending is None:
+            self.pending = _queue.SimpleQueue()
+            _thread.start_new_thread(self._close_all, (self.pending,))
+        self.pending.put(fd)
+
+    @staticmethod
+    def _close_all(pending: _queue.SimpleQueue) -> None:
+        while True:
+            fd = pending.get()
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
 @dataclass(eq=False)  # a slot is itself (its identity: in sets, as a key)
 class _Slot:
     spec: slots.SlotSpec
@@ -75,6 +105,7 @@ class _Slot:
     served: bool = False  # its current process was given a request (a process that serves one is not "ready")
     episode: Optional[str] = None  # style environment: the episode its current process holds
     urgent: bool = False  # its last process left something behind: its next one is started at once
+    namespace: Optional[int] = None  # its process's mount namespace, while it lives (slot.own_namespace)
 
 
 class Template:
@@ -88,6 +119,7 @@ class Template:
         self.one_request = self.mode != "worker" and not self.forks
         self.server = server
         self.queue: collections.deque = collections.deque()  # (request id, fd, episode or None, starts it)
+        self.namespaces = Namespaces()  # of ended slot processes, let go of beside the loop
         # Style environment: each slot process holds one episode, for its life; an episode's calls go to it alone.
         self.episodes = config.style == "environment"
         # Isolation "call" (a tool's, server._isolation): each call takes a slot process that never served, which is
@@ -311,7 +343,10 @@ class Template:
         assert s.control is not None  # registered with the selector once it had one (_spawn)
         try:
             while len(message) < len(slots.READY):
-                chunk = s.control.recv(slots.MAX_REASON + 1)
+                chunk, fds, _, _ = socket.recv_fds(s.control, slots.MAX_REASON + 1, 1)
+                for fd in fds:  # its mount namespace, sent with the ready byte (slot.own_namespace)
+                    self.namespaces.release(s.namespace)
+                    s.namespace = fd
                 if not chunk:
                     break
                 message += chunk
@@ -345,6 +380,8 @@ class Template:
             send(self.server, {"op": "exited", "req": request, "status": tree.describe_status(status)})
             self.by_request.pop(request, None)
         self.by_pid.pop(s.pid, None)
+        self.namespaces.release(s.namespace)
+        s.namespace = None
         if s.episode is not None and self.holders.get(s.episode) is s:
             del self.holders[s.episode]
         self.vacant.add(s)

@@ -232,6 +232,77 @@ def test_an_ended_episodes_process_goes_at_once_and_its_slot_is_prepared_once_ca
         _until(lambda: sorted(_slot_states(container.id)) == ["S"] * 8, timeout_s=10.0)
 
 
+def _container_processes(container_id: str, name: str) -> list:
+    """The pids of the container's processes named ``name``, from the host's /proc (runc)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cgroup") as f:
+                if container_id not in f.read():
+                    continue
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == name:
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def _mount_namespaces(container_id: str) -> tuple[set, set, str]:
+    """(The mount namespaces the template holds descriptors of, those of the live slot processes, the template's
+    own), as ``mnt:[inode]``."""
+    template, = _container_processes(container_id, "rbx-template")
+    held = set()
+    for fd in os.listdir(f"/proc/{template}/fd"):
+        try:
+            target = os.readlink(f"/proc/{template}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("mnt:["):
+            held.add(target)
+    live = set()
+    for pid in _container_processes(container_id, "rbx-slot"):
+        try:
+            live.add(os.readlink(f"/proc/{pid}/ns/mnt"))
+        except OSError:
+            continue
+    return held, live, os.readlink(f"/proc/{template}/ns/mnt")
+
+
+def test_the_template_holds_each_live_slot_processs_mount_namespace_and_lets_go_of_ended_ones(docker_client,
+                                                                                              base_image):
+    """A slot process's mount namespace (its private /tmp: a copy of the container's mounts, a tmpfs per slot
+    among them) is held by the template while the process lives, so that the process's end does not wait for
+    their unmounting, and let go of once the process is reaped: after episodes ended, the template holds exactly
+    the namespaces of the live slot processes, each of its own."""
+    sandbox = {"backend": "docker", "docker": {"base_image": base_image}}
+    with sandboxed_environment(Paced, sandbox=sandbox, max_episodes=4) as factory:
+        envs = [factory() for _ in range(4)]
+        for _ in range(3):  # the second and third rounds each end four episodes
+            for env in envs:
+                env.reset()
+        assert [asyncio.run(env.add(n=1)) for env in envs] == [1] * 4
+        (container,) = [c for c in docker_client.containers.list(filters={"label": f"rewardbox.pid={os.getpid()}"})
+                        if "paced" in c.name.lower()]
+        # Once calls pause, every slot holds a ready process again (two versions' slots: 16; one version's 8).
+        _until(lambda: len(_container_processes(container.id, "rbx-slot")) == 8)
+
+        def settled() -> bool:
+            held, live, _ = _mount_namespaces(container.id)
+            return held == live and len(live) == 8
+
+        _until(settled, timeout_s=10.0)
+        held, live, own = _mount_namespaces(container.id)
+        assert own not in held  # each slot process's namespace is its own
+        before = set(_container_processes(container.id, "rbx-slot"))
+        for env in envs:
+            end_episode(env)
+        # Their processes are gone and their slots prepared again; the template holds no namespace of theirs (a
+        # namespace's inode, held, is no other's: a new process may only get one that was let go of).
+        _until(lambda: len(before - set(_container_processes(container.id, "rbx-slot"))) == 4)
+        _until(settled, timeout_s=10.0)
+
+
 class Listener:
     """An environment whose episodes try what the one before left on the loopback network (red team of #41)."""
 
