@@ -160,20 +160,32 @@ class Paced:
         return self.n
 
 
-def _slot_states(container_id: str) -> list:
-    """The states (R, S, T...) of the container's slot processes, read from the host's /proc (runc)."""
-    states = []
+def _container_processes(container_id: str, name: str) -> list:
+    """The pids of the container's processes named ``name``, from the host's /proc (runc)."""
+    found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cgroup") as f:
                 if container_id not in f.read():
                     continue
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == name:
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def _slot_states(container_id: str) -> list:
+    """The states (R, S, T...) of the container's slot processes, read from the host's /proc (runc)."""
+    states = []
+    for pid in _container_processes(container_id, "rbx-slot"):
+        try:
             with open(f"/proc/{pid}/stat") as f:
                 stat = f.read()
         except OSError:
             continue
-        if stat[stat.index("(") + 1:stat.rindex(")")] == "rbx-slot":
-            states.append(stat[stat.rindex(")") + 2])
+        states.append(stat[stat.rindex(")") + 2])
     return states
 
 
@@ -232,22 +244,6 @@ def test_an_ended_episodes_process_goes_at_once_and_its_slot_is_prepared_once_ca
         _until(lambda: sorted(_slot_states(container.id)) == ["S"] * 8, timeout_s=10.0)
 
 
-def _container_processes(container_id: str, name: str) -> list:
-    """The pids of the container's processes named ``name``, from the host's /proc (runc)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cgroup") as f:
-                if container_id not in f.read():
-                    continue
-            with open(f"/proc/{pid}/comm") as f:
-                if f.read().strip() == name:
-                    found.append(int(pid))
-        except OSError:
-            continue
-    return found
-
-
 def _mount_namespaces(container_id: str) -> tuple[set, set, str]:
     """(The mount namespaces the template holds descriptors of, those of the live slot processes, the template's
     own), as ``mnt:[inode]``."""
@@ -284,15 +280,12 @@ def test_the_template_holds_each_live_slot_processs_mount_namespace_and_lets_go_
         assert [asyncio.run(env.add(n=1)) for env in envs] == [1] * 4
         (container,) = [c for c in docker_client.containers.list(filters={"label": f"rewardbox.pid={os.getpid()}"})
                         if "paced" in c.name.lower()]
-        # Once calls pause, every slot holds a ready process again (two versions' slots: 16; one version's 8).
-        _until(lambda: len(_container_processes(container.id, "rbx-slot")) == 8)
-
-        def settled() -> bool:
+        def settled() -> bool:  # once calls pause, every slot holds a ready process again (one version's: 8)
             held, live, _ = _mount_namespaces(container.id)
             return held == live and len(live) == 8
 
         _until(settled, timeout_s=10.0)
-        held, live, own = _mount_namespaces(container.id)
+        held, _, own = _mount_namespaces(container.id)
         assert own not in held  # each slot process's namespace is its own
         before = set(_container_processes(container.id, "rbx-slot"))
         for env in envs:
