@@ -44,7 +44,6 @@ HEAVY_FOLDERS = {"verl": "verl", "trainer": "train", "ray": "ray"}
 HEAVY_FILES = {"test_packaging.py": "wheel build", "test_hostile_peers.py": "load"}
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (and -m deselects)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         heavy = {why for name, why in HEAVY_FIXTURES.items() if name in getattr(item, "fixturenames", ())}
@@ -57,11 +56,6 @@ def pytest_collection_modifyitems(config, items):
             heavy.add("ray")
         if not heavy:
             item.add_marker(pytest.mark.fast)
-        else:
-            # The README's test command runs in two workers (scripts/test.sh, --dist loadgroup): every heavy test in
-            # one of them, one after another in collection order as without workers (one Docker engine, two cores,
-            # module-scoped sandboxes), while the fast tier, which mostly waits, runs beside them in the other.
-            item.add_marker(pytest.mark.xdist_group("heavy"))
 
 
 # Docker tests run against a real engine. A missing engine FAILS them (never skips): the README's test command
