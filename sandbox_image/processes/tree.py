@@ -11,6 +11,7 @@ import fcntl
 import os
 import signal
 import stat
+import sys
 import time
 from typing import Callable, Iterator, Optional
 
@@ -342,14 +343,18 @@ def empty_own_tmpfs(directory: str) -> int:
 
 # FS_IOC_GETFLAGS and FS_IOC_SETFLAGS (the same on every 64-bit Linux: _IOR/_IOW('f', 1/2, long))
 _GET_FLAGS, _SET_FLAGS = 0x80086601, 0x40086602
+# The inode flags an owner may set (linux/fs.h: FS_FL_USER_MODIFIABLE, with nocomp, data journalling, nocow, dax,
+# project inheritance and casefold), which _reset clears. The others are the file system's own and cannot be cleared
+# (ext4 marks every directory FS_EXTENT_FL, and refuses to clear it: EPERM).
+_OWNER_FLAGS = 0x000380FF | 0x00000400 | 0x00004000 | 0x00800000 | 0x02000000 | 0x20000000 | 0x40000000
 
 
 def _reset(directory: int) -> None:
     """Puts back what outlives the removal of everything in ``directory`` (an open descriptor), on the directory
     itself: its mode (owner only), its extended attributes (none: a default ACL there, which a tmpfs keeps, would
     set the mode of every file a later sample makes in it, and a ``user.`` attribute would carry data to later
-    samples) and its inode flags (none: ``noatime`` and ``nodump``, which its owner may set, would too). Red team,
-    runc; gVisor keeps ``user.`` attributes and has no inode flags."""
+    samples) and the inode flags its owner may set (none: ``noatime`` and ``nodump`` would too; the file system's
+    own, as ext4's ``extents``, stay). Red team, runc; gVisor keeps ``user.`` attributes and has no inode flags."""
     os.fchmod(directory, stat.S_IRWXU)
     try:
         names = os.listxattr(directory)
@@ -365,8 +370,9 @@ def _reset(directory: int) -> None:
         if e.errno not in (errno.ENOTTY, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EINVAL):  # gVisor: ENOTTY
             raise
         return
-    if any(flags[:4]):
-        fcntl.ioctl(directory, _SET_FLAGS, bytes(8))
+    value = int.from_bytes(flags[:4], sys.byteorder)
+    if value & _OWNER_FLAGS:
+        fcntl.ioctl(directory, _SET_FLAGS, (value & ~_OWNER_FLAGS).to_bytes(8, sys.byteorder))
 
 
 def empty(directory: str) -> None:
