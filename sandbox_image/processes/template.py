@@ -58,26 +58,42 @@ IDLE_RESPAWN_S = 0.05
 RESERVE_FRACTION = 1 / 32
 MIN_RESERVE = 2
 MAX_RESPAWN_DELAY_S = 10.0
+# Ended processes' namespaces held until calls pause (Namespaces.let_go), at most: 256 held in a sandbox of 512 slots
+# moved its kernel memory by less than 10 MiB (a mount's copy is a few hundred bytes).
+MAX_HELD_NAMESPACES = 1024
 
 
 class Namespaces:
     """Lets go of the mount namespaces of ended slot processes (:func:`.slot.own_namespace`) on a thread of its
-    own: dropping the last reference unmounts the namespace's copies of the container's mounts (about a
-    millisecond in a sandbox of 512 slots), time the template's loop spends on requests instead. The thread starts
+    own, once calls pause: dropping the last reference unmounts the namespace's copies of the container's mounts
+    (about 2 ms of CPU in a sandbox of 512 slots), time the template's loop spends on requests instead, and the CPU
+    the calls of a burst need (TRL resets a batch's environments, and calls a turn's tools, one after another). The
+    thread starts
     with the first namespace to let go of, after the reward's import was checked for threads of its own
     (:meth:`Template._left_by_import`). What the thread does is close descriptors; the slot processes the template
     forks meanwhile close every descriptor they inherit first (:func:`.tree.close_inherited`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, most: int = MAX_HELD_NAMESPACES) -> None:
         self.pending: Optional[_queue.SimpleQueue] = None
+        self.held: list = []  # let go of once calls pause (let_go)
+        self.most = most
 
     def release(self, fd: Optional[int]) -> None:
-        if fd is None:
+        if fd is not None:
+            self.held.append(fd)
+
+    def let_go(self, quiet: bool) -> None:
+        """Hands the held namespaces to the thread once calls paused (``quiet``), or once ``most`` are held:
+        unmounting one takes about 2 ms of CPU in a sandbox of 512 slots, which the calls of a burst of resets or
+        tool calls waited for on a machine of two CPUs."""
+        if not self.held or not (quiet or len(self.held) >= self.most):
             return
         if self.pending is None:
             self.pending = _queue.SimpleQueue()
             _thread.start_new_thread(self._close_all, (self.pending,))
-        self.pending.put(fd)
+        for fd in self.held:
+            self.pending.put(fd)
+        self.held = []
 
     @staticmethod
     def _close_all(pending: _queue.SimpleQueue) -> None:
@@ -224,6 +240,7 @@ class Template:
             self._reap()
             self._dispatch()  # requests first: a fork costs the template about a millisecond
             self._respawn_due()
+            self.namespaces.let_go(time.monotonic() >= self.last_call + IDLE_RESPAWN_S)
         self._kill_all()
 
     def _left_by_import(self) -> str:
@@ -256,6 +273,8 @@ class Template:
             return None  # what ends the wait (a slot exits or gets ready, a request arrives) wakes the selector
         short = self._short()
         due = [self._due_at(s, short) for s in self.vacant]
+        if self.namespaces.held:
+            due.append(self.last_call + IDLE_RESPAWN_S)
         return max(0.0, min(due) - time.monotonic()) if due else None
 
     def _short(self) -> int:
