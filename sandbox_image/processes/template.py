@@ -68,9 +68,8 @@ class Namespaces:
     own, once calls pause: dropping the last reference unmounts the namespace's copies of the container's mounts
     (about 2 ms of CPU in a sandbox of 512 slots), time the template's loop spends on requests instead, and the CPU
     the calls of a burst need (TRL resets a batch's environments, and calls a turn's tools, one after another). The
-    thread starts
-    with the first namespace to let go of, after the reward's import was checked for threads of its own
-    (:meth:`Template._left_by_import`). What the thread does is close descriptors; the slot processes the template
+    thread starts with the first namespace to let go of, after the reward's import was checked for threads of its
+    own (:meth:`Template._left_by_import`). What the thread does is close descriptors; the slot processes the template
     forks meanwhile close every descriptor they inherit first (:func:`.tree.close_inherited`)."""
 
     def __init__(self, most: int = MAX_HELD_NAMESPACES) -> None:
