@@ -191,6 +191,19 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def until(check: Callable[[], bool], timeout_s: float = 30.0, interval_s: float = 0.05) -> bool:
+    """Calls ``check`` every ``interval_s`` until it is true; returns whether it became true within ``timeout_s``
+    (the caller asserts, with what it knows of the failure)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval_s)
+    return True
+
+
 def default_sigint() -> None:
     """``preexec_fn`` for a child that a test interrupts with SIGINT: a shell that runs the tests in the background
     (``cmd &`` without job control) starts them with SIGINT ignored, and children would inherit that."""

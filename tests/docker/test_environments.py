@@ -14,6 +14,7 @@ import pytest
 
 from rewardbox import ToolError, sandboxed_environment
 from rewardbox.api.environments import end_episode
+from tests.conftest import until
 from tests.docker.probes import processes_of_my_uid
 from tests.docker.test_tools import act
 
@@ -189,15 +190,6 @@ def _slot_states(container_id: str) -> list:
     return states
 
 
-def _until(check, timeout_s: float = 30.0):
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def test_an_ended_episodes_process_goes_at_once_and_its_slot_is_prepared_once_calls_pause(docker_client, base_image):
     """TRL resets a batch's instances one after another: the processes of the episodes they end are killed at once,
     and their slots prepared again (a process's start costs several resets' CPU) once calls pause, not in the
@@ -215,7 +207,7 @@ def test_an_ended_episodes_process_goes_at_once_and_its_slot_is_prepared_once_ca
         (container,) = [c for c in docker_client.containers.list(filters={"label": f"rewardbox.pid={os.getpid()}"})
                         if "paced" in c.name.lower()]
         # One live process per episode, as many prepared ahead (two versions' slots: 16 uids; one version's 8)
-        _until(lambda: sorted(_slot_states(container.id)).count("S") == 8)
+        assert until(lambda: sorted(_slot_states(container.id)).count("S") == 8)
         busy = threading.Event()
 
         def calls() -> None:  # a call every 10 ms: the sandbox never pauses for IDLE_RESPAWN_S
@@ -241,7 +233,7 @@ def test_an_ended_episodes_process_goes_at_once_and_its_slot_is_prepared_once_ca
         assert sorted(states) == ["S"] * 6, states  # the two ended are gone, none started in their place yet
         assert [asyncio.run(env.add(n=2)) for env in envs[1:3]] == [2, 2]  # the new episodes, fresh
         # Once calls pause, their slots hold fresh processes again.
-        _until(lambda: sorted(_slot_states(container.id)) == ["S"] * 8, timeout_s=10.0)
+        assert until(lambda: sorted(_slot_states(container.id)) == ["S"] * 8, timeout_s=10.0)
 
 
 def _mount_namespaces(container_id: str) -> tuple[set, set, str]:
@@ -284,7 +276,7 @@ def test_the_template_holds_each_live_slot_processs_mount_namespace_and_lets_go_
             held, live, _ = _mount_namespaces(container.id)
             return held == live and len(live) == 8
 
-        _until(settled, timeout_s=10.0)
+        assert until(settled, timeout_s=10.0)
         held, _, own = _mount_namespaces(container.id)
         assert own not in held  # each slot process's namespace is its own
         before = set(_container_processes(container.id, "rbx-slot"))
@@ -292,8 +284,8 @@ def test_the_template_holds_each_live_slot_processs_mount_namespace_and_lets_go_
             end_episode(env)
         # Their processes are gone and their slots prepared again; the template holds no namespace of theirs (a
         # namespace's inode, held, is no other's: a new process may only get one that was let go of).
-        _until(lambda: len(before - set(_container_processes(container.id, "rbx-slot"))) == 4)
-        _until(settled, timeout_s=10.0)
+        assert until(lambda: len(before - set(_container_processes(container.id, "rbx-slot"))) == 4)
+        assert until(settled, timeout_s=10.0)
 
 
 class Listener:

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from rewardbox import build_samples
-from tests.conftest import run
+from tests.conftest import run, until
 
 PROBES = """
 import os, socket, time
@@ -193,9 +193,7 @@ def test_container_settings_are_hardened(docker_sandboxes):
                 found.append((args, hex(permitted)))
         return found
 
-    deadline = time.monotonic() + 10
-    while holding_sys_admin() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    until(lambda: not holding_sys_admin(), timeout_s=10.0)
     assert holding_sys_admin() == []
     slot_uids = [u for u in uids if u not in (0, 65534)]
     assert slot_uids and all(f"/tmp/slot-{u}" in slot_mounts for u in slot_uids)  # warm slot processes

@@ -8,6 +8,7 @@ import os
 import time
 
 from rewardbox.sandbox.processes.template import Namespaces
+from tests.conftest import until
 
 
 def _closed(fd: int) -> bool:
@@ -15,15 +16,6 @@ def _closed(fd: int) -> bool:
         os.fstat(fd)
     except OSError:
         return True
-    return False
-
-
-def _until_closed(fds: list, timeout_s: float = 5.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if all(_closed(fd) for fd in fds):
-            return True
-        time.sleep(0.005)
     return False
 
 
@@ -40,7 +32,7 @@ def test_ended_processes_namespaces_are_held_while_calls_come_and_let_go_of_once
         assert not any(_closed(r) for r, _ in pipes) and len(namespaces.held) == 3
         namespaces.let_go(quiet=True)
         assert namespaces.held == []
-        assert _until_closed([r for r, _ in pipes])
+        assert until(lambda: all(_closed(r) for r, _ in pipes), timeout_s=5.0)
     finally:
         for fd in ours:
             os.close(fd)
@@ -57,7 +49,7 @@ def test_a_burst_holds_at_most_so_many_namespaces():
         namespaces.release(pipes[-1][0])
         namespaces.let_go(quiet=False)  # the bound: handed over even as calls go on
         assert namespaces.held == []
-        assert _until_closed([r for r, _ in pipes])
+        assert until(lambda: all(_closed(r) for r, _ in pipes), timeout_s=5.0)
     finally:
         for _, w in pipes:
             os.close(w)
