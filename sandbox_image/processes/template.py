@@ -155,6 +155,11 @@ class Template:
         self.by_request: dict[int, _Slot] = {}
         self.holders: dict[str, _Slot] = {}
         self.vacant: set = set(self.slots)
+        self.unused: set = set()  # slots whose process never served and is not retiring (ready or being prepared)
+        # The earliest vacant slot and when it is due, as _respawn_due found it on this turn of the loop (for
+        # _next_timer; None: not known). Each scan of the vacant slots (hundreds in an environment's burst of resets)
+        # costs the template's loop, which every reset and call waits on.
+        self.earliest: Optional[tuple[float, Optional[_Slot]]] = None
         # Prepared (environment, "call"): slots whose process ended and is not yet known to have left nothing (it is
         # not reaped yet, or its leftovers are not yet killed by the slot's next process): no start is dispatched.
         self.cleaning: set = set()
@@ -270,11 +275,11 @@ class Template:
     def _next_timer(self) -> Optional[float]:
         if not self._may_spawn():
             return None  # what ends the wait (a slot exits or gets ready, a request arrives) wakes the selector
-        short = self._short()
-        due = [self._due_at(s, short) for s in self.vacant]
+        earliest, self.earliest = self.earliest or self._earliest(), None
+        due = earliest[0]
         if self.namespaces.held:
-            due.append(self.last_call + IDLE_RESPAWN_S)
-        return max(0.0, min(due) - time.monotonic()) if due else None
+            due = min(due, self.last_call + IDLE_RESPAWN_S)
+        return None if due == math.inf else max(0.0, due - time.monotonic())
 
     def _short(self) -> int:
         """Style environment: how many processes the reserve (RESERVE_FRACTION of the slots, at least MIN_RESERVE)
@@ -282,18 +287,27 @@ class Template:
         if not self.prepared:
             return 0
         reserve = math.ceil(max(MIN_RESERVE, RESERVE_FRACTION * len(self.slots)))
-        for s in self.slots:
-            if s.pid and not s.retiring and not s.served:
-                reserve -= 1
-                if not reserve:
-                    break
-        return reserve
+        return max(0, reserve - len(self.unused))
 
-    def _due_at(self, s: _Slot, short: int) -> float:
-        """When slot ``s`` (its process gone) gets its next one: see IDLE_RESPAWN_S for an environment's."""
-        if not self.prepared or not s.cleaned or short or s.urgent:
-            return s.respawn_at
-        return max(s.respawn_at, min(self.last_call + IDLE_RESPAWN_S, s.respawn_at + MAX_RESPAWN_DELAY_S))
+    def _earliest(self) -> tuple[float, Optional[_Slot]]:
+        """(When the earliest vacant slot (its process gone) is due to get its next one, that slot), or (inf, None)
+        where none is vacant. Each slot is due at its ``respawn_at``; but in an environment's (or "call"'s) sandbox
+        whose reserve is not short, a slot whose last process left nothing waits for calls to pause
+        (IDLE_RESPAWN_S), at most MAX_RESPAWN_DELAY_S."""
+        best, chosen = math.inf, None
+        if not self.prepared or self._short():
+            for s in self.vacant:
+                if s.respawn_at < best:
+                    best, chosen = s.respawn_at, s
+            return best, chosen
+        idle = self.last_call + IDLE_RESPAWN_S
+        for s in self.vacant:
+            due = s.respawn_at
+            if s.cleaned and not s.urgent:
+                due = max(due, min(idle, due + MAX_RESPAWN_DELAY_S))
+            if due < best:
+                best, chosen = due, s
+        return best, chosen
 
     def _may_spawn(self) -> bool:
         """Whether to fork slot processes now: always, but while closing. A slot's next process is what cleans up
@@ -325,9 +339,17 @@ class Template:
         return self._strangers() == set()
 
     def _strangers(self) -> Optional[set]:
-        """This template's children that are neither a slot process nor the runner (None: it cannot tell)."""
-        found = tree.children()
-        return None if found is None else found - set(self.by_pid) - {self.runner_pid}
+        """This template's children that are neither a slot process nor the runner (None: it cannot tell). Every
+        process it knows is its child until it is reaped (each leaves ``by_pid`` as it is reaped, the runner's pid
+        is forgotten then), so where the kernel lists as many children as it knows, none is a stranger: counted
+        without reading the pids, as the template does after each ended episode or call, with a thousand children."""
+        listing = tree.children_listing()
+        if listing is None:
+            return None
+        pids = listing.split()
+        if len(pids) == len(self.by_pid) + (1 if self.runner_pid else 0):
+            return set()
+        return {int(pid) for pid in pids} - set(self.by_pid) - {self.runner_pid}
 
     def _spawn(self, s: _Slot) -> None:
         if s.spec.uid is not None:
@@ -353,6 +375,7 @@ class Template:
         s.pid, s.control, s.ready = pid, parent_end, False
         self.by_pid[pid] = s
         self.vacant.discard(s)
+        self.unused.add(s)
         self.selector.register(parent_end, selectors.EVENT_READ, s)
 
     def _ready(self, s: _Slot) -> None:
@@ -387,6 +410,8 @@ class Template:
             s = self.by_pid.get(pid)
             if s is not None:
                 self._ended(s, status)
+            elif pid == self.runner_pid:  # run() fails in slot processes from now on (its socket closed)
+                self.runner_pid = 0
 
     def _ended(self, s: _Slot, status: int) -> None:
         if s.spec.uid is None:  # the local backend: what it forked is in its process group
@@ -398,6 +423,7 @@ class Template:
             send(self.server, {"op": "exited", "req": request, "status": tree.describe_status(status)})
             self.by_request.pop(request, None)
         self.by_pid.pop(s.pid, None)
+        self.unused.discard(s)
         self.namespaces.release(s.namespace)
         s.namespace = None
         if s.episode is not None and self.holders.get(s.episode) is s:
@@ -434,10 +460,9 @@ class Template:
         then), so requests that arrive meanwhile are dispatched between forks."""
         if not self._may_spawn():
             return
-        now = time.monotonic()
-        short = self._short()
-        s = next((s for s in self.vacant if self._due_at(s, short) <= now), None)
-        if s is not None:
+        due, s = self.earliest = self._earliest()
+        if s is not None and due <= time.monotonic():
+            self.earliest = None  # it is vacant no longer (or its next try is later)
             self._spawn(s)
 
     def _kill_all(self) -> None:
@@ -478,6 +503,7 @@ class Template:
                     self._end_episode(s)
                 elif message.get("retire") and s.pid:
                     s.retiring = True
+                    self.unused.discard(s)
                     try:
                         os.kill(s.pid, signal.SIGKILL)
                     except OSError:
@@ -500,6 +526,7 @@ class Template:
         if not s.pid:
             return
         s.retiring = True
+        self.unused.discard(s)
         self.cleaning.add(s)
         try:
             os.kill(s.pid, signal.SIGKILL)
@@ -547,7 +574,7 @@ class Template:
         slot); any other goes to the process holding its episode once that one is idle. An episode no process holds
         (its process died or was ended) is gone: its calls fail until the host starts another."""
         if start:
-            return next((s for s in self.slots if s.ready and s.pid and not s.retiring and not s.served), None), False
+            return next((s for s in self.unused if s.ready), None), False
         holder = self.holders.get(episode) if episode is not None else None
         if holder is None or not holder.pid or holder.retiring:
             return None, True
@@ -583,6 +610,7 @@ class Template:
             s.requests.add(request)
             self.by_request[request] = s
             s.served = True
+            self.unused.discard(s)
             self.last_call = time.monotonic()
             if start and episode is not None:
                 earlier = self.holders.get(episode)
@@ -612,6 +640,7 @@ class Template:
             s.requests.add(request)
             self.by_request[request] = s
             s.served = True
+            self.unused.discard(s)
             if self.one_request:
                 s.ready = False
 

@@ -131,8 +131,9 @@ def become_subreaper() -> None:
     _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
-def children() -> Optional[set]:
-    """The pids of this (single-threaded) process's children, from the kernel; None where it does not list them."""
+def children_listing() -> Optional[bytes]:
+    """The kernel's list of the pids of this process's main thread's children (each followed by a space); None
+    where it does not list them."""
     try:
         fd = os.open(f"/proc/self/task/{os.getpid()}/children", os.O_RDONLY)
     except OSError:
@@ -146,7 +147,13 @@ def children() -> Optional[set]:
             data += chunk
     finally:
         os.close(fd)
-    return {int(pid) for pid in data.split()}
+    return data
+
+
+def children() -> Optional[set]:
+    """The pids of this (single-threaded) process's children, from the kernel; None where it does not list them."""
+    listing = children_listing()
+    return None if listing is None else {int(pid) for pid in listing.split()}
 
 
 def all_children() -> set:

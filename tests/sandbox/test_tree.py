@@ -43,3 +43,47 @@ def test_empty_removes_everything_and_clears_the_flags_an_owner_sets_but_not_the
     assert after == own  # nodump and noatime cleared, the file system's own flags (ext4: extents) kept
     assert os.listdir(top) == []
     assert (os.stat(top).st_mode & 0o777) == 0o700
+
+
+# The template's look for strangers among its children (what an ended slot process orphaned to it, its subreaper)
+# counts the kernel's list where it holds as many pids as the template knows: run in a process of its own, which
+# forks as the template does (a slot process, the runner) and is the subreaper of what they orphan.
+STRANGERS = """
+import os, signal, time
+from types import SimpleNamespace
+from rewardbox.sandbox.processes import tree
+from rewardbox.sandbox.processes.template import Template
+
+tree.become_subreaper()
+
+def sleeper():
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    return pid
+
+slot, runner = sleeper(), sleeper()
+template = SimpleNamespace(by_pid={slot: object()}, runner_pid=runner, _ended=None)
+print(Template._strangers(template) == set())
+middle = os.fork()  # a slot process's child that forks and dies: its own child is orphaned to us
+if middle == 0:
+    sleeper()
+    os._exit(0)
+os.waitpid(middle, 0)
+time.sleep(0.2)
+orphans = tree.children() - {slot, runner}
+print(len(orphans) == 1 and Template._strangers(template) == orphans)
+os.kill(runner, signal.SIGKILL)
+time.sleep(0.2)
+Template._reap(template)  # reaps the runner (and forgets its pid: one fewer child now, the orphan still there)
+print(template.runner_pid == 0 and Template._strangers(template) == orphans)
+for pid in orphans | {slot}:
+    os.kill(pid, signal.SIGKILL)
+"""
+
+
+def test_strangers_among_the_templates_children_are_found_by_their_count_and_a_reaped_runner_is_forgotten():
+    out = subprocess.run([sys.executable, "-c", STRANGERS], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True"] * 3, out.stdout + out.stderr
