@@ -5,9 +5,12 @@ a dict the reward module holds, a page of shared memory it mapped at import, a s
 through reward code its import hooked into the interpreter (audit, trace, profile and fork hooks, replaced functions
 of the modules the sandbox's own code calls). Real containers, runc and gVisor.
 
-Each case: 5 x 64 neutral samples first (past any warm-up a pool could have), then ``[hostile] + [innocent] * 7`` in
-one call and ``[innocent] * 4`` in the next; every innocent must score exactly what it scores alone. These broke
-under the process reuse of stop 38 (the red team of #40): every innocent after the hostile one scored 0.0.
+Every pool first scores 5 x 64 neutral samples (past any warm-up a pool could have): the sync cases share one reward
+(``steady``, which calls the case's own function, named by the example's ``case`` column), so that one warm-up
+serves them all, and every case's innocents are among its samples; the async case has its own. Then each case:
+``[hostile] + [innocent] * 7`` in one call and ``[innocent] * 4`` in the next; every innocent must score exactly what
+it scores alone. These broke under the process reuse of stop 38 (the red team of #40): every innocent after the
+hostile one scored 0.0.
 """
 
 from __future__ import annotations
@@ -148,6 +151,11 @@ def mapped(prompt, completion, example):
     return float(TABLE[0])
 
 
+def steady(prompt, completion, example):
+    """The sync cases' rewards behind one function: the one the example's case column names."""
+    return globals()[example["case"]](prompt, completion, example)
+
+
 def stdin_flags(prompt, completion, example):
     """1 where its standard input is as a fresh process has it; runs model-written code first."""
     exec(completion, {})
@@ -181,32 +189,46 @@ CASES = {
 }
 
 
+# The reward each case runs under, and the cases of each: the sync ones share ``steady`` (one pool to warm up);
+# ``remembers`` is async, and async rewards run another path in the sample's process.
+POOLS = {"steady": [name for name in CASES if name != "remembers"], "remembers": ["remembers"]}
+REWARD_OF = {name: reward for reward, names in POOLS.items() for name in names}
+
+
 @pytest.fixture(scope="module", params=["runc", "runsc"])
 def sandboxes(request, tmp_path_factory, docker_client, base_image):
     common = {"timeout_s": 5.0, "workers": 2, "cpus": 2, "default_score": -5.0, "retries": 1, "packages": ["pyyaml"]}
     started = sandboxes_on_runtime(request, tmp_path_factory, docker_client, base_image, REWARDS,
-                                   [{"name": name, **common} for name in CASES])
-    yield started
-    started.stop()
+                                   [{"name": reward, **common} for reward in POOLS])
+    try:
+        for _ in range(5):  # steady state: hundreds of samples through each pool first, every case's innocents
+            for names in POOLS.values():
+                cases = [names[i % len(names)] for i in range(64)]
+                warm = score(started, cases, [CASES[case][1] for case in cases])
+                assert warm.values == [CASES[case][3] for case in cases], (warm.values, warm.errors[:2])
+        yield started
+    finally:
+        started.stop()
 
 
-def score(sandboxes, name: str, completions: list, answer: str):
-    samples = build_samples(["p"] * len(completions), completions, {"answer": [answer] * len(completions)})
-    return asyncio.run(sandboxes[name].client.score(samples))
+def score(sandboxes, cases: list, completions: list):
+    """The report of ``completions``, each scored by its case's reward (all of one pool)."""
+    (reward,) = {REWARD_OF[case] for case in cases}
+    samples = build_samples(["p"] * len(completions), completions,
+                            {"answer": [CASES[case][2] for case in cases], "case": cases})
+    return asyncio.run(sandboxes[reward].client.score(samples))
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_hostile_completion_changes_no_later_samples_score_through_the_rewards_own_state(sandboxes, name):
     hostile, innocent, answer, alone = CASES[name]
-    assert score(sandboxes, name, [innocent], answer).values == [alone]
-    own = score(sandboxes, name, [hostile], answer)  # what the hostile completion scores alone
-    for _ in range(5):  # steady state: hundreds of samples through this reward's pool first
-        warm = score(sandboxes, name, [innocent] * 64, answer)
-        assert warm.values == [alone] * 64, warm.errors[:2]
-    batch = score(sandboxes, name, [hostile] + [innocent] * 7, answer)
+    assert score(sandboxes, [name], [innocent]).values == [alone]
+    own = score(sandboxes, [name], [hostile])  # what the hostile completion scores alone
+    # (its pool has scored hundreds of samples: the fixture's)
+    batch = score(sandboxes, [name] * 8, [hostile] + [innocent] * 7)
     assert list(zip(batch.values, batch.statuses)) == [(own.values[0], own.statuses[0])] + [(alone, Status.OK)] * 7, \
         (batch.values, batch.errors)
-    after = score(sandboxes, name, [innocent] * 4, answer)
+    after = score(sandboxes, [name] * 4, [innocent] * 4)
     assert list(zip(after.values, after.statuses)) == [(alone, Status.OK)] * 4, (after.values, after.errors)
 
 
