@@ -156,10 +156,6 @@ class Template:
         self.holders: dict[str, _Slot] = {}
         self.vacant: set = set(self.slots)
         self.unused: set = set()  # slots whose process never served and is not retiring (ready or being prepared)
-        # The earliest vacant slot and when it is due, as _respawn_due found it on this turn of the loop (for
-        # _next_timer; None: not known). Each scan of the vacant slots (hundreds in an environment's burst of resets)
-        # costs the template's loop, which every reset and call waits on.
-        self.earliest: Optional[tuple[float, Optional[_Slot]]] = None
         # Prepared (environment, "call"): slots whose process ended and is not yet known to have left nothing (it is
         # not reaped yet, or its leftovers are not yet killed by the slot's next process): no start is dispatched.
         self.cleaning: set = set()
@@ -233,8 +229,9 @@ class Template:
         self.selector.register(self.server, selectors.EVENT_READ, "server")
         for s in self.slots:
             self._spawn(s)
+        due = 0.0  # when the earliest vacant slot is due (_respawn_due): one scan of them a turn of the loop
         while not self.closing:
-            for key, _ in self.selector.select(timeout=self._next_timer()):
+            for key, _ in self.selector.select(timeout=self._next_timer(due)):
                 if key.data == "wake":
                     os.read(wake_r, 4096)
                 elif key.data == "server":
@@ -243,7 +240,7 @@ class Template:
                     self._ready(key.data)
             self._reap()
             self._dispatch()  # requests first: a fork costs the template about a millisecond
-            self._respawn_due()
+            due = self._respawn_due()
             self.namespaces.let_go(time.monotonic() >= self.last_call + IDLE_RESPAWN_S)
         self._kill_all()
 
@@ -272,11 +269,11 @@ class Template:
                 "run under the sample's own uid, limits and seccomp filter, and end with it; under isolation: "
                 "worker they live as long as the worker)")
 
-    def _next_timer(self) -> Optional[float]:
+    def _next_timer(self, due: float) -> Optional[float]:
+        """How long the loop may wait for an event: until ``due`` (when the earliest vacant slot is due), or until
+        calls pause while it holds ended processes' namespaces; None: until an event comes."""
         if not self._may_spawn():
             return None  # what ends the wait (a slot exits or gets ready, a request arrives) wakes the selector
-        earliest, self.earliest = self.earliest or self._earliest(), None
-        due = earliest[0]
         if self.namespaces.held:
             due = min(due, self.last_call + IDLE_RESPAWN_S)
         return None if due == math.inf else max(0.0, due - time.monotonic())
@@ -455,15 +452,18 @@ class Template:
                 return
         s.respawn_at = time.monotonic() + (RESPAWN_BACKOFF_S * s.setup_failures if s.setup_failures else 0)
 
-    def _respawn_due(self) -> None:
+    def _respawn_due(self) -> float:
         """Forks one slot process that is due; the next waits for the next turn of the loop (which does not wait
-        then), so requests that arrive meanwhile are dispatched between forks."""
+        then), so requests that arrive meanwhile are dispatched between forks. Returns when the earliest vacant
+        slot is due (now, after a fork: another may be due too)."""
         if not self._may_spawn():
-            return
-        due, s = self.earliest = self._earliest()
-        if s is not None and due <= time.monotonic():
-            self.earliest = None  # it is vacant no longer (or its next try is later)
+            return math.inf
+        due, s = self._earliest()
+        now = time.monotonic()
+        if s is not None and due <= now:
             self._spawn(s)
+            return now
+        return due
 
     def _kill_all(self) -> None:
         for s in self.slots:

@@ -70,12 +70,11 @@ middle = os.fork()  # a slot process's child that forks and dies: its own child 
 if middle == 0:
     sleeper()
     os._exit(0)
-os.waitpid(middle, 0)
-time.sleep(0.2)
+os.waitpid(middle, 0)  # its orphan is ours before its parent is reaped
 orphans = tree.children() - {slot, runner}
 print(len(orphans) == 1 and Template._strangers(template) == orphans)
 os.kill(runner, signal.SIGKILL)
-time.sleep(0.2)
+os.waitid(os.P_PID, runner, os.WEXITED | os.WNOWAIT)  # it has exited; still ours to reap
 Template._reap(template)  # reaps the runner (and forgets its pid: one fewer child now, the orphan still there)
 print(template.runner_pid == 0 and Template._strangers(template) == orphans)
 for pid in orphans | {slot}:
