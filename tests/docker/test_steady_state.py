@@ -373,7 +373,9 @@ def hooked(request, tmp_path_factory, docker_client, base_image):
 def test_what_the_import_hooked_into_the_interpreter_runs_only_in_the_samples_own_processes(hooked):
     seen = set()
     for _ in range(5):  # steady state: hundreds of samples through the pool, a hostile one in each batch
-        report = score(hooked, "hooked", ["hostile"] + ["innocent"] * 63, "")
+        completions = ["hostile"] + ["innocent"] * 63
+        samples = build_samples(["p"] * 64, completions, {"answer": [""] * 64})
+        report = asyncio.run(hooked["hooked"].client.score(samples))
         assert report.statuses == [Status.OK] * 64 and min(report.values) >= 1000.0, \
             (report.values, report.errors[:2], report.logs[-2000:])
         seen.update(report.values)
