@@ -292,15 +292,11 @@ class Template:
         whose reserve is not short, a slot whose last process left nothing waits for calls to pause
         (IDLE_RESPAWN_S), at most MAX_RESPAWN_DELAY_S."""
         best, chosen = math.inf, None
-        if not self.prepared or self._short():
-            for s in self.vacant:
-                if s.respawn_at < best:
-                    best, chosen = s.respawn_at, s
-            return best, chosen
+        waits = self.prepared and not self._short()
         idle = self.last_call + IDLE_RESPAWN_S
         for s in self.vacant:
             due = s.respawn_at
-            if s.cleaned and not s.urgent:
+            if waits and s.cleaned and not s.urgent:
                 due = max(due, min(idle, due + MAX_RESPAWN_DELAY_S))
             if due < best:
                 best, chosen = due, s
